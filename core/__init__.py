@@ -1,0 +1,56 @@
+"""kvferry's planning core: pure values and functions that decide what to move, never how.
+
+This package does no I/O, reads no clock, draws no random number, keeps no global state, and
+imports only the standard library, attrs and numpy (never torch or cupy). The caller reads and
+writes files, asks the CPU tier, and runs the copies; every function here takes what it needs as
+arguments and returns new immutable values, so the same inputs give the same plan, byte for byte.
+"""
+
+from kvferry.core.blocks import GroupBlocks
+from kvferry.core.codec import SCHEMA_VERSION, plan_from_json, plan_to_json
+from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
+from kvferry.core.errors import (
+    ExecutorUnavailableError,
+    InvalidInputError,
+    KvferryError,
+    PlanInvariantError,
+    TransferFailedError,
+    UnknownExecutorError,
+)
+from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.load import plan_load
+from kvferry.core.lookup import LookupResult, lookup
+from kvferry.core.plan import Direction, TransferPlan
+from kvferry.core.state import RequestState, extend_keys, new_request_state
+from kvferry.core.store import StoreDecision, StoreOutcome, StoreTierView, plan_store
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Direction",
+    "ExecutorUnavailableError",
+    "GroupBlocks",
+    "GroupKind",
+    "GroupSpec",
+    "InvalidInputError",
+    "KeyStatus",
+    "KeyStatusView",
+    "KvferryError",
+    "LookupResult",
+    "OffloadConfig",
+    "OffloadKey",
+    "PlanInvariantError",
+    "RequestState",
+    "StoreDecision",
+    "StoreOutcome",
+    "StoreTierView",
+    "TransferFailedError",
+    "TransferPlan",
+    "UnknownExecutorError",
+    "extend_keys",
+    "lookup",
+    "new_request_state",
+    "plan_from_json",
+    "plan_load",
+    "plan_store",
+    "plan_to_json",
+]

@@ -1,0 +1,33 @@
+"""Read-only numpy arrays for frozen values: conversion and equality.
+
+Pure helpers; they never keep a reference to a caller's writable array.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+IdArray = npt.NDArray[np.int64]
+FlagArray = npt.NDArray[np.bool_]
+
+
+def frozen_ids(value: Any) -> IdArray:
+    """Return a read-only int64 copy of `value` (a sequence or an array of integers)."""
+    array = np.array(value, dtype=np.int64, copy=True)
+    array.setflags(write=False)
+    return array
+
+
+def frozen_flags(value: Any) -> FlagArray:
+    """Return a read-only bool copy of `value`."""
+    array = np.array(value, dtype=np.bool_, copy=True)
+    array.setflags(write=False)
+    return array
+
+
+def arrays_equal(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
+    """Return True when both arrays have the same shape and elements (attrs `eq` helper)."""
+    return bool(np.array_equal(a, b))

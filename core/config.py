@@ -1,0 +1,122 @@
+"""The shape of the KV cache as the planner sees it: groups, block sizes, chunk size.
+
+Values only: no I/O, no defaults read from the environment (adapters do that).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+from kvferry.core.errors import InvalidInputError
+
+
+class GroupKind(enum.Enum):
+    """What a KV-cache group must hold on the GPU to resume a request at token `t`."""
+
+    FULL_ATTENTION = "full_attention"
+    """Every earlier token (MLA included)."""
+    SLIDING_WINDOW = "sliding_window"
+    """Only the last `sliding_window` tokens."""
+    MAMBA = "mamba"
+    """Only the recurrent state after token `t - 1`."""
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInputError(field=attribute.name, expected="an integer >= 1", got=value)
+
+
+@attrs.frozen(kw_only=True)
+class GroupSpec:
+    """One KV-cache group: its kind, its GPU block size and (for windows) its window."""
+
+    kind: GroupKind = attrs.field(validator=attrs.validators.instance_of(GroupKind))
+    """How the group's layers use earlier tokens."""
+    block_size: int = attrs.field(validator=_positive)
+    """Tokens per GPU block of this group (`T_g`)."""
+    sliding_window: int | None = None
+    """Window in tokens; required for sliding-window groups, absent for the others."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            window = self.sliding_window
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise InvalidInputError(
+                    field="sliding_window",
+                    expected="an integer >= 1 for a sliding-window group",
+                    got=window,
+                )
+        elif self.sliding_window is not None:
+            raise InvalidInputError(
+                field="sliding_window",
+                expected=f"None for a {self.kind.value} group",
+                got=self.sliding_window,
+            )
+
+
+def _groups_tuple(value: object) -> tuple[GroupSpec, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise InvalidInputError(field="groups", expected="a sequence of GroupSpec", got=value)
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class OffloadConfig:
+    """Everything the planner needs to know about the model's KV cache and the CPU tier."""
+
+    hash_block_size: int = attrs.field(validator=_positive)
+    """Tokens per prefix-hash block; the engine gives one chained hash per full hash block."""
+    blocks_per_chunk: int = attrs.field(validator=_positive)
+    """GPU blocks per offloaded chunk (`F`), the same for every group."""
+    groups: tuple[GroupSpec, ...] = attrs.field(converter=_groups_tuple)
+    """The KV-cache groups, in the engine's order; a group is named by its index here."""
+    store_decoded_tokens: bool = True
+    """Store chunks of generated tokens too (pays off in multi-turn chat), or the prompt's only."""
+
+    def __attrs_post_init__(self) -> None:
+        if not self.groups:
+            raise InvalidInputError(field="groups", expected="at least one group", got=self.groups)
+        for index, group in enumerate(self.groups):
+            if not isinstance(group, GroupSpec):
+                raise InvalidInputError(
+                    group=index, field="groups", expected="a GroupSpec", got=group
+                )
+            if group.block_size % self.hash_block_size:
+                raise InvalidInputError(
+                    group=index,
+                    field="block_size",
+                    expected=f"a multiple of hash_block_size={self.hash_block_size}",
+                    got=group.block_size,
+                )
+
+    @property
+    def num_groups(self) -> int:
+        """Return the number of KV-cache groups."""
+        return len(self.groups)
+
+    def chunk_tokens(self, group: int) -> int:
+        """Return `C_g`, the tokens in one chunk of `group` (`F * T_g`)."""
+        return self.blocks_per_chunk * self.groups[group].block_size
+
+    def hashes_per_chunk(self, group: int) -> int:
+        """Return how many hash blocks one chunk of `group` spans."""
+        return self.chunk_tokens(group) // self.hash_block_size
+
+    def window_chunks(self, group: int) -> int:
+        """Return `W`, the chunks a windowed group needs at a boundary on its chunk grid.
+
+        `ceil(window / C_g)` for a sliding window, 1 for Mamba; 0 for full attention,
+        which has no window.
+        """
+        spec = self.groups[group]
+        if spec.kind is GroupKind.MAMBA:
+            return 1
+        if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
+            return -(-spec.sliding_window // self.chunk_tokens(group))
+        return 0
+
+    @property
+    def has_windowed_group(self) -> bool:
+        """Return True when any group is sliding-window or Mamba."""
+        return any(g.kind is not GroupKind.FULL_ATTENTION for g in self.groups)

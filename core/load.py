@@ -1,0 +1,151 @@
+"""Load planning: which CPU-tier chunks go into which freshly allocated GPU blocks.
+
+Pure: returns the plan and the next request state; the caller pins keys and runs the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+from kvferry.core.blocks import GroupBlocks
+from kvferry.core.config import OffloadConfig
+from kvferry.core.errors import InvalidInputError
+from kvferry.core.keys import OffloadKey
+from kvferry.core.plan import Direction, TransferPlan
+from kvferry.core.state import RequestState
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_block_lists(
+    config: OffloadConfig, state: RequestState, blocks: Sequence[GroupBlocks]
+) -> None:
+    """Raise InvalidInputError unless there is one GroupBlocks per group of `config`."""
+    if len(blocks) != config.num_groups:
+        raise InvalidInputError(
+            request=state.request_id,
+            field="blocks",
+            expected=f"one block list per group ({config.num_groups} groups)",
+            got=len(blocks),
+        )
+    for group, group_blocks in enumerate(blocks):
+        if not isinstance(group_blocks, GroupBlocks):
+            raise InvalidInputError(
+                request=state.request_id,
+                group=group,
+                field="blocks",
+                expected="a GroupBlocks",
+                got=type(group_blocks).__name__,
+            )
+
+
+@attrs.frozen(kw_only=True)
+class _GroupLoad:
+    first: int
+    end: int
+    keys: tuple[OffloadKey, ...]
+    next_cursor: int
+
+
+def _plan_group(
+    config: OffloadConfig,
+    state: RequestState,
+    group: int,
+    blocks: GroupBlocks,
+    *,
+    num_computed_tokens: int,
+    cached_tokens: int,
+) -> _GroupLoad:
+    block_size = config.groups[group].block_size
+    f = config.blocks_per_chunk
+    n_gpu = _ceil_div(cached_tokens, block_size)
+    end_chunk = _ceil_div(cached_tokens, config.chunk_tokens(group))
+
+    def fail(field: str, expected: str, got: object) -> InvalidInputError:
+        return InvalidInputError(
+            request=state.request_id, group=group, field=field, expected=expected, got=got
+        )
+
+    if len(blocks) < n_gpu:
+        raise fail("blocks", f"at least {n_gpu} blocks for {cached_tokens} tokens", len(blocks))
+    if end_chunk > len(state.keys[group]):
+        raise fail(
+            "hit_tokens",
+            f"at most {len(state.keys[group]) * config.chunk_tokens(group) - num_computed_tokens}"
+            " tokens (the request's complete chunks)",
+            cached_tokens - num_computed_tokens,
+        )
+    lo = _ceil_div(num_computed_tokens, block_size)
+    taken = blocks.is_null[lo:n_gpu] | blocks.is_cached[lo:n_gpu]
+    fillable = np.flatnonzero(~taken)
+    cursor = max(state.store_cursor[group], 0 if state.store_loaded else end_chunk)
+    if not len(fillable):
+        return _GroupLoad(first=0, end=0, keys=(), next_cursor=cursor)
+    first = lo + int(fillable[0])
+    later_taken = np.flatnonzero(taken[first - lo :])
+    if len(later_taken):
+        index = first + int(later_taken[0])
+        what = "null" if blocks.is_null[index] else "GPU-cached"
+        raise fail(
+            f"blocks[{index}]",
+            f"a fresh block to load into (blocks {first}..{n_gpu - 1} are destinations)",
+            f"a {what} block (id {int(blocks.ids[index])})",
+        )
+    keys = state.keys[group][first // f : end_chunk]
+    return _GroupLoad(first=first, end=n_gpu, keys=keys, next_cursor=cursor)
+
+
+def plan_load(
+    config: OffloadConfig,
+    state: RequestState,
+    blocks: Sequence[GroupBlocks],
+    *,
+    num_computed_tokens: int,
+    hit_tokens: int,
+) -> tuple[TransferPlan, RequestState]:
+    """Return the load plan for `hit_tokens` accepted past `num_computed_tokens`, and the
+    request's next state (store cursors moved past what is loaded, unless `store_loaded`).
+
+    Per group (DESIGN §4.2): destinations are the blocks from the first one in
+    `[ceil(num_computed / T_g), ceil(cached / T_g))` that is neither null nor GPU-cached; keys are
+    chunks `first // F` to `ceil(cached / C_g)`. A null or cached block after the first
+    destination is refused: the copy would overwrite a block that is not this request's own.
+    """
+    state.check_matches(config)
+    check_block_lists(config, state, blocks)
+    if num_computed_tokens < 0 or hit_tokens < 0:
+        raise InvalidInputError(
+            request=state.request_id,
+            field="num_computed_tokens/hit_tokens",
+            expected="non-negative integers",
+            got=(num_computed_tokens, hit_tokens),
+        )
+    cached_tokens = num_computed_tokens + hit_tokens
+    loads = [
+        _plan_group(
+            config,
+            state,
+            g,
+            blocks[g],
+            num_computed_tokens=num_computed_tokens,
+            cached_tokens=cached_tokens,
+        )
+        for g in range(config.num_groups)
+    ]
+    plan = TransferPlan(
+        request_id=state.request_id,
+        direction=Direction.LOAD,
+        blocks_per_chunk=config.blocks_per_chunk,
+        keys=tuple(key for load in loads for key in load.keys),
+        gpu_block_ids=np.concatenate(
+            [blocks[g].ids[load.first : load.end] for g, load in enumerate(loads)]
+        ),
+        group_sizes=tuple(load.end - load.first for load in loads),
+        block_indices=tuple(load.first for load in loads),
+    )
+    next_state = attrs.evolve(state, store_cursor=tuple(load.next_cursor for load in loads))
+    return plan, next_state

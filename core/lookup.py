@@ -1,0 +1,208 @@
+"""Lookup: how many tokens past the GPU prefix every KV-cache group can take from the CPU tier.
+
+Pure: the tier is consulted only through a read-only KeyStatusView; nothing is reserved here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+from kvferry.core.config import GroupKind, OffloadConfig
+from kvferry.core.errors import InvalidInputError
+from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.state import RequestState
+
+
+@attrs.frozen(kw_only=True)
+class LookupResult:
+    """The answer of a lookup: a number of tokens to load, or *retry later*."""
+
+    tokens: int = 0
+    """Tokens past `num_computed_tokens` that the CPU tier can supply (0: nothing worth it)."""
+    retry: bool = False
+    """True when a key the answer needs is still being written or loaded: ask again later."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.tokens < 0 or (self.retry and self.tokens):
+            raise InvalidInputError(
+                field="tokens",
+                expected="tokens >= 0, and 0 when retry is set",
+                got=(self.tokens, self.retry),
+            )
+
+
+NOTHING = LookupResult()
+RETRY = LookupResult(retry=True)
+
+
+class _GroupStatuses:
+    """Statuses of one group's keys, fetched lazily from the view as one growing interval."""
+
+    def __init__(self, view: KeyStatusView, keys: tuple[OffloadKey, ...]) -> None:
+        self._view = view
+        self._keys = keys
+        self._lo = self._hi = 0
+        self._values: list[KeyStatus] = []
+
+    def fetch(self, lo: int, hi: int) -> None:
+        """Make the statuses of chunks `[lo, hi)` available, asking the view once per gap."""
+        if lo >= hi:
+            return
+        if not self._values:
+            self._lo, self._hi = lo, lo
+        if lo < self._lo:
+            self._values[:0] = self._view.statuses(self._keys[lo : self._lo])
+            self._lo = lo
+        if hi > self._hi:
+            self._values.extend(self._view.statuses(self._keys[self._hi : hi]))
+            self._hi = hi
+
+    def __getitem__(self, chunk: int) -> KeyStatus:
+        return self._values[chunk - self._lo]
+
+    def any_pending(self, lo: int, hi: int) -> bool:
+        """Return True when a fetched chunk in `[lo, hi)` is pending."""
+        lo, hi = max(lo, self._lo), min(hi, self._hi)
+        return KeyStatus.PENDING in self._values[lo - self._lo : hi - self._lo]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@attrs.frozen(kw_only=True)
+class _Group:
+    """The per-group facts a lookup needs, computed once."""
+
+    index: int
+    kind: GroupKind
+    chunk: int
+    window: int
+    window_chunks: int
+    start: int
+    num_keys: int
+
+    def needed_chunks(self, boundary: int) -> tuple[int, int]:
+        """Return the chunk range `[lo, hi)` this group must read to resume at `boundary`."""
+        if self.kind is GroupKind.FULL_ATTENTION:
+            return self.start, _ceil_div(boundary, self.chunk)
+        if self.kind is GroupKind.MAMBA:
+            end = boundary // self.chunk
+            return max(self.start, end - 1), end
+        first = max(0, boundary - self.window) // self.chunk
+        return max(self.start, first), _ceil_div(boundary, self.chunk)
+
+
+def _scan_prefix(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
+    """Return the boundary after a prefix scan: chunks count from `start` up to the first miss."""
+    end = _ceil_div(boundary, group.chunk)
+    statuses.fetch(group.start, end)
+    chunk = group.start
+    while chunk < end and statuses[chunk] is not KeyStatus.MISS:
+        chunk += 1
+    return min(boundary, chunk * group.chunk)
+
+
+def _scan_window(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
+    """Return the largest boundary `<= boundary` at which the group's window is complete.
+
+    Candidates are `boundary` itself (it needs the chunks overlapping its window, which can be
+    `W + 1` when it is off this group's grid) and then grid boundaries `k * C` for decreasing
+    `k`, which need chunks `[k - W, k)`; chunks below `start` are on the GPU already.
+    """
+    top_lo, end = group.needed_chunks(boundary)
+    if group.kind is GroupKind.MAMBA:
+        boundary = end * group.chunk  # a Mamba state exists only at its own chunk ends
+    start, w = group.start, group.window_chunks
+    fetched = end
+    run_top = end
+    for chunk in range(end - 1, start - 1, -1):
+        if chunk < fetched:  # fetch from the right in doubling spans: most answers are near
+            fetched = max(start, chunk + 1 - 2 * max(end - chunk, w + 1))
+            statuses.fetch(fetched, end)
+        if statuses[chunk] is KeyStatus.MISS:
+            run_top = chunk
+            continue
+        if run_top == end and chunk <= top_lo:
+            return boundary
+        candidate = min(run_top, end - 1)
+        if chunk <= max(start, candidate - w):
+            return candidate * group.chunk
+    return start * group.chunk
+
+
+def lookup(
+    config: OffloadConfig,
+    state: RequestState,
+    *,
+    num_tokens: int,
+    num_computed_tokens: int,
+    tier: KeyStatusView,
+) -> LookupResult:
+    """Return how many tokens past `num_computed_tokens` can be loaded for every group.
+
+    Implements DESIGN §4.1: a prefix scan for full attention, a window scan for sliding
+    windows and Mamba, the minus-one-token rule when any windowed group exists, and the
+    shrink-until-stable loop over windowed groups. Pending keys are treated as hits while the
+    boundary is found; the answer is *retry* when the boundary found needs a pending key.
+    """
+    state.check_matches(config)
+    if not 0 <= num_computed_tokens <= num_tokens:
+        raise InvalidInputError(
+            request=state.request_id,
+            field="num_computed_tokens",
+            expected=f"an integer in [0, num_tokens={num_tokens}]",
+            got=num_computed_tokens,
+        )
+    groups = [
+        _Group(
+            index=g,
+            kind=spec.kind,
+            chunk=config.chunk_tokens(g),
+            window=spec.sliding_window or 0,
+            window_chunks=config.window_chunks(g),
+            start=num_computed_tokens // config.chunk_tokens(g),
+            num_keys=len(state.keys[g]),
+        )
+        for g, spec in enumerate(config.groups)
+    ]
+    statuses = [_GroupStatuses(tier, keys) for keys in state.keys]
+    full = [g for g in groups if g.kind is GroupKind.FULL_ATTENTION]
+    # Widest windows first: they are the likeliest to shrink the boundary for the others.
+    windowed = sorted(
+        (g for g in groups if g.kind is not GroupKind.FULL_ATTENTION),
+        key=lambda g: (-g.window, g.kind is GroupKind.MAMBA, g.index),
+    )
+
+    boundary = num_tokens - (1 if windowed else 0)
+
+    def examine(group: _Group, scan: Callable[[_Group, _GroupStatuses, int], int]) -> int | None:
+        clamped = min(boundary, group.num_keys * group.chunk)
+        if clamped - num_computed_tokens < group.chunk:
+            return None
+        found = scan(group, statuses[group.index], clamped)
+        if found - num_computed_tokens < group.chunk:
+            return None
+        return found
+
+    for group in full:
+        found = examine(group, _scan_prefix)
+        if found is None:
+            return NOTHING
+        boundary = found
+    valid_at: dict[int, int] = {}
+    while any(valid_at.get(g.index) != boundary for g in windowed):
+        for group in windowed:
+            if valid_at.get(group.index) == boundary:
+                continue
+            found = examine(group, _scan_window)
+            if found is None:
+                return NOTHING
+            boundary = found
+            valid_at[group.index] = boundary
+
+    for group in groups:
+        if statuses[group.index].any_pending(*group.needed_chunks(boundary)):
+            return RETRY
+    return LookupResult(tokens=boundary - num_computed_tokens)

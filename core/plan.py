@@ -1,0 +1,134 @@
+"""The TransferPlan: what one transfer moves (keys and GPU blocks), never how.
+
+A value: validated at construction, so an executor can trust every plan it is given.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable
+
+import attrs
+import numpy as np
+from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
+from kvferry.core.errors import PlanInvariantError
+from kvferry.core.keys import OffloadKey
+
+
+class Direction(enum.Enum):
+    """Which way a plan moves bytes."""
+
+    LOAD = "load"
+    """CPU tier -> GPU blocks."""
+    STORE = "store"
+    """GPU blocks -> CPU tier."""
+
+
+def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def _key_tuple(value: Iterable[OffloadKey]) -> tuple[OffloadKey, ...]:
+    return tuple(value)
+
+
+def chunks_spanned(size: int, skip: int, blocks_per_chunk: int) -> int:
+    """Return how many chunks (CPU rows) a group's `size` blocks touch after `skip` slots."""
+    return -(-(size + skip) // blocks_per_chunk) if size else 0
+
+
+@attrs.frozen(kw_only=True)
+class TransferPlan:
+    """One transfer between the GPU blocks of one request and the CPU tier.
+
+    Keys are listed group by group, and so are GPU block ids; `group_sizes[g]` ids belong to
+    group `g`. `block_indices[g]` is the position, in the request's block list of group `g`, of
+    the first block moved; `block_indices[g] % blocks_per_chunk` is the *skip*: the slots at the
+    start of the group's first chunk that are not part of the transfer.
+    """
+
+    request_id: str
+    """The engine's request id."""
+    direction: Direction
+    """LOAD (CPU -> GPU) or STORE (GPU -> CPU)."""
+    blocks_per_chunk: int
+    """`F` of the configuration the plan was made for."""
+    keys: tuple[OffloadKey, ...] = attrs.field(converter=_key_tuple)
+    """The chunks moved, group by group, in token order within a group."""
+    gpu_block_ids: IdArray = attrs.field(converter=frozen_ids, eq=attrs.cmp_using(eq=arrays_equal))
+    """GPU block ids, group by group, in token order within a group."""
+    group_sizes: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    """GPU blocks moved per group."""
+    block_indices: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    """Per group, the request-block index of the first block moved (0 when none moves)."""
+
+    def __attrs_post_init__(self) -> None:
+        def fail(field: str, expected: str, got: object, group: int | None = None) -> None:
+            raise PlanInvariantError(
+                request=self.request_id, group=group, field=field, expected=expected, got=got
+            )
+
+        f = self.blocks_per_chunk
+        if f < 1:
+            fail("blocks_per_chunk", "an integer >= 1", f)
+        n_groups = len(self.group_sizes)
+        if n_groups < 1 or len(self.block_indices) != n_groups:
+            fail(
+                "block_indices",
+                f"one entry per group ({n_groups} groups in group_sizes)",
+                len(self.block_indices),
+            )
+        if self.gpu_block_ids.ndim != 1:
+            fail("gpu_block_ids", "a 1-D array", self.gpu_block_ids.shape)
+        if sum(self.group_sizes) != len(self.gpu_block_ids):
+            fail(
+                "group_sizes", f"a sum of {len(self.gpu_block_ids)} (the GPU ids)", self.group_sizes
+            )
+        groups_of_keys = [key.group for key in self.keys]
+        if groups_of_keys != sorted(groups_of_keys):
+            fail("keys", "keys listed group by group, in group order", groups_of_keys)
+        key_counts = {g: len(list(run)) for g, run in itertools.groupby(groups_of_keys)}
+        for extra in set(key_counts) - set(range(n_groups)):
+            fail("keys", f"group indices in [0, {n_groups})", extra)
+        offset = 0
+        for g, (size, first) in enumerate(zip(self.group_sizes, self.block_indices, strict=True)):
+            if size < 0 or first < 0:
+                fail("group_sizes/block_indices", "non-negative integers", (size, first), g)
+            if size == 0 and first != 0:
+                fail("block_indices", "0 for a group that moves nothing", first, g)
+            if self.direction is Direction.STORE and first % f:
+                fail("block_indices", f"a multiple of {f} (stores move whole chunks)", first, g)
+            expected_keys = chunks_spanned(size, first % f, f)
+            if key_counts.get(g, 0) != expected_keys:
+                fail(
+                    "keys",
+                    f"{expected_keys} keys for {size} blocks after a skip of {first % f}",
+                    key_counts.get(g, 0),
+                    g,
+                )
+            ids = self.gpu_block_ids[offset : offset + size]
+            offset += size
+            if size and int(ids.min()) < 0:
+                fail("gpu_block_ids", "block ids >= 0", int(ids.min()), g)
+            if self.direction is Direction.LOAD and len(np.unique(ids)) != size:
+                fail("gpu_block_ids", "distinct destination blocks", ids.tolist(), g)
+
+    @property
+    def num_groups(self) -> int:
+        """Return the number of groups the plan covers."""
+        return len(self.group_sizes)
+
+    def gpu_ids_of(self, group: int) -> IdArray:
+        """Return the GPU block ids of `group` (a read-only view)."""
+        start = sum(self.group_sizes[:group])
+        return self.gpu_block_ids[start : start + self.group_sizes[group]]
+
+    def keys_of(self, group: int) -> tuple[OffloadKey, ...]:
+        """Return the keys of `group`, in order."""
+        return tuple(key for key in self.keys if key.group == group)
+
+    @property
+    def is_empty(self) -> bool:
+        """Return True when the plan moves nothing."""
+        return not self.keys

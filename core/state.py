@@ -1,0 +1,126 @@
+"""The per-request planning state: offload keys per group and the store cursor per group.
+
+Immutable: every planning function returns the next state instead of changing this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+from kvferry.core.config import OffloadConfig
+from kvferry.core.errors import InvalidInputError, PlanInvariantError
+from kvferry.core.keys import OffloadKey, chunk_keys
+
+
+@attrs.frozen(kw_only=True)
+class RequestState:
+    """What the planner remembers of one request between calls."""
+
+    request_id: str
+    """The engine's request id (named in every error)."""
+    num_prompt_tokens: int
+    """Prompt length; with `store_decoded_tokens` off, nothing past it is stored."""
+    keys: tuple[tuple[OffloadKey, ...], ...]
+    """Per group, the keys of the request's complete chunks so far, in token order."""
+    store_cursor: tuple[int, ...]
+    """Per group, the first chunk not yet stored nor loaded (earlier ones are never stored)."""
+    store_loaded: bool = False
+    """Store again the chunks this request loaded (a prefill node feeding a remote decoder)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            raise InvalidInputError(
+                request=self.request_id,
+                field="num_prompt_tokens",
+                expected="an integer >= 0",
+                got=self.num_prompt_tokens,
+            )
+        if len(self.keys) != len(self.store_cursor):
+            raise PlanInvariantError(
+                request=self.request_id,
+                field="store_cursor",
+                expected=f"one cursor per group ({len(self.keys)} groups of keys)",
+                got=len(self.store_cursor),
+            )
+        for group, cursor in enumerate(self.store_cursor):
+            if not 0 <= cursor <= len(self.keys[group]):
+                raise PlanInvariantError(
+                    request=self.request_id,
+                    group=group,
+                    field="store_cursor",
+                    expected=f"a chunk index in [0, {len(self.keys[group])}]",
+                    got=cursor,
+                )
+
+    def check_matches(self, config: OffloadConfig) -> None:
+        """Raise InvalidInputError unless this state was made for `config`'s groups."""
+        if len(self.keys) != config.num_groups:
+            raise InvalidInputError(
+                request=self.request_id,
+                field="keys",
+                expected=f"one key list per group ({config.num_groups} groups in the config)",
+                got=len(self.keys),
+            )
+
+
+def new_request_state(
+    config: OffloadConfig,
+    request_id: str,
+    *,
+    num_prompt_tokens: int,
+    block_hashes: Sequence[bytes] = (),
+    store_loaded: bool = False,
+) -> RequestState:
+    """Return the planning state of a request that has just arrived, keyed from its hashes."""
+    empty = RequestState(
+        request_id=request_id,
+        num_prompt_tokens=num_prompt_tokens,
+        keys=tuple(() for _ in config.groups),
+        store_cursor=tuple(0 for _ in config.groups),
+        store_loaded=store_loaded,
+    )
+    return extend_keys(config, empty, block_hashes)
+
+
+def extend_keys(
+    config: OffloadConfig, state: RequestState, block_hashes: Sequence[bytes]
+) -> RequestState:
+    """Return `state` with keys for every chunk that `block_hashes` now completes.
+
+    `block_hashes` is the request's whole list of chained hash-block hashes (it only grows);
+    keys already known are kept, and only the new chunks are keyed, so calling this every step
+    costs time in proportion to what is new.
+    """
+    state.check_matches(config)
+    new_keys = []
+    for group, known in enumerate(state.keys):
+        step = config.hashes_per_chunk(group)
+        if known:
+            last_hash_index = len(known) * step - 1
+            if (
+                last_hash_index >= len(block_hashes)
+                or block_hashes[last_hash_index] != known[-1].block_hash
+            ):
+                raise InvalidInputError(
+                    request=state.request_id,
+                    group=group,
+                    field="block_hashes",
+                    expected=(
+                        f"a list that extends the earlier one (hash {last_hash_index} "
+                        f"= {known[-1].block_hash.hex()})"
+                    ),
+                    got=f"{len(block_hashes)} hashes",
+                )
+        added = chunk_keys(config, group, block_hashes, len(known))
+        for key in added:
+            if not isinstance(key.block_hash, bytes):
+                raise InvalidInputError(
+                    request=state.request_id,
+                    group=group,
+                    field="block_hashes",
+                    expected="bytes for every hash",
+                    got=key.block_hash,
+                )
+        new_keys.append(known + added if added else known)
+    return attrs.evolve(state, keys=tuple(new_keys))
