@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import attrs
 import numpy as np
+
 from kvferry.core.arrays import FlagArray, IdArray, arrays_equal, frozen_flags, frozen_ids
 from kvferry.core.errors import InvalidInputError
 

@@ -6,6 +6,7 @@ Values only: the session binds plans (it owns rows and job ids); executors only 
 from __future__ import annotations
 
 import attrs
+
 from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
 from kvferry.core.errors import PlanInvariantError
 from kvferry.core.plan import TransferPlan

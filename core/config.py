@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 
 import attrs
+
 from kvferry.core.errors import InvalidInputError
 
 

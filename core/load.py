@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import attrs
 import numpy as np
+
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
+
 from kvferry.core.config import GroupKind, OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import attrs
 import numpy as np
+
 from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
 from kvferry.core.errors import PlanInvariantError
 from kvferry.core.keys import OffloadKey

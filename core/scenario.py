@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.codec import (
     SCHEMA_VERSION,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.keys import OffloadKey, chunk_keys

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import attrs
 import numpy as np
+
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError
