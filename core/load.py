@@ -5,6 +5,7 @@ Pure: returns the plan and the next request state; the caller pins keys and runs
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -141,7 +142,7 @@ def plan_load(
         request_id=state.request_id,
         direction=Direction.LOAD,
         blocks_per_chunk=config.blocks_per_chunk,
-        keys=tuple(key for load in loads for key in load.keys),
+        keys=tuple(itertools.chain.from_iterable(load.keys for load in loads)),
         gpu_block_ids=np.concatenate(
             [blocks[g].ids[load.first : load.end] for g, load in enumerate(loads)]
         ),

@@ -62,6 +62,13 @@ class _GroupStatuses:
     def __getitem__(self, chunk: int) -> KeyStatus:
         return self._values[chunk - self._lo]
 
+    def first_miss(self, lo: int, hi: int) -> int:
+        """Return the first fetched chunk in `[lo, hi)` that is a miss, or `hi` if none is."""
+        try:
+            return self._values.index(KeyStatus.MISS, lo - self._lo, hi - self._lo) + self._lo
+        except ValueError:
+            return hi
+
     def any_pending(self, lo: int, hi: int) -> bool:
         """Return True when a fetched chunk in `[lo, hi)` is pending."""
         lo, hi = max(lo, self._lo), min(hi, self._hi)
@@ -99,10 +106,7 @@ def _scan_prefix(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
     """Return the boundary after a prefix scan: chunks count from `start` up to the first miss."""
     end = _ceil_div(boundary, group.chunk)
     statuses.fetch(group.start, end)
-    chunk = group.start
-    while chunk < end and statuses[chunk] is not KeyStatus.MISS:
-        chunk += 1
-    return min(boundary, chunk * group.chunk)
+    return min(boundary, statuses.first_miss(group.start, end) * group.chunk)
 
 
 def _scan_window(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
