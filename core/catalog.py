@@ -1,0 +1,454 @@
+"""The catalog of the CPU tier: which key sits in which row, writing, ready or pinned by loads.
+
+The one stateful object of the scheduler side; it changes only when called, and does no I/O,
+reads no clock and draws no random number (recency is the order of operations).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+
+import attrs
+import numpy as np
+
+from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
+from kvferry.core.errors import InvalidInputError, PlanInvariantError
+from kvferry.core.eviction import EvictionPolicyKind, make_policy
+from kvferry.core.keys import KeyStatus, OffloadKey
+
+_HIT = KeyStatus.HIT
+_MISS = KeyStatus.MISS
+_PENDING = KeyStatus.PENDING
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(field=attribute.name, expected="an integer >= 0", got=value)
+
+
+def rows_for_budget(budget_bytes: int, bytes_per_row: int) -> int:
+    """Return how many whole CPU rows of `bytes_per_row` bytes fit in `budget_bytes` bytes."""
+    for field, value, low in (
+        ("budget_bytes", budget_bytes, 0),
+        ("bytes_per_row", bytes_per_row, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidInputError(field=field, expected=f"an integer >= {low}", got=value)
+    return budget_bytes // bytes_per_row
+
+
+@attrs.frozen(kw_only=True)
+class CatalogConfig:
+    """How big the CPU tier is and how it chooses what to evict."""
+
+    capacity_rows: int = attrs.field(validator=_non_negative_int)
+    """Rows in the tier (one chunk each); `rows_for_budget` derives it from a byte budget."""
+    policy: EvictionPolicyKind = attrs.field(
+        default=EvictionPolicyKind.LRU,
+        validator=attrs.validators.instance_of(EvictionPolicyKind),
+    )
+    """Which ready keys go first when rows run out."""
+    record_events: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    """Keep stored/removed events for `drain_events` (off: nothing accumulates undrained)."""
+
+
+class KeyState(enum.Enum):
+    """Where a key present in the catalog stands."""
+
+    WRITING = "writing"
+    """A row is reserved and a store is in flight: not readable, never evicted."""
+    READY = "ready"
+    """Readable; evictable unless pinned by loads."""
+
+
+@attrs.frozen(kw_only=True)
+class CatalogEntry:
+    """What the catalog holds for one present key (a snapshot)."""
+
+    state: KeyState
+    """Writing or ready."""
+    row: int
+    """The key's CPU row."""
+    pins: int
+    """Loads reading the key now (a pinned key is ready and never evicted)."""
+
+
+class EventKind(enum.Enum):
+    """What happened to the keys of an event."""
+
+    STORED = "stored"
+    """The keys became readable (their store succeeded)."""
+    REMOVED = "removed"
+    """The readable keys left the tier (evicted, or dropped by a reset)."""
+
+
+@attrs.frozen(kw_only=True)
+class CatalogEvent:
+    """Keys of one group that were stored or removed, in the order it happened."""
+
+    kind: EventKind
+    """Stored or removed."""
+    group: int
+    """The KV-cache group of every key of `keys`."""
+    keys: tuple[OffloadKey, ...]
+    """The keys, in the order the catalog handled them."""
+
+
+@attrs.frozen(kw_only=True)
+class CatalogCounters:
+    """Running totals since the catalog was made (a reset keeps them), and the rows in use."""
+
+    hits: int
+    """Keys pinned for loads (chunks read from the tier)."""
+    misses: int
+    """Keys a reservation had to give a row (chunks the tier lacked when asked to store)."""
+    stores: int
+    """Keys made ready by a successful store."""
+    failed_stores: int
+    """Keys forgotten because their store failed."""
+    evictions: int
+    """Ready keys evicted to make room."""
+    rows_used: int
+    """Rows held now, by writing and ready keys."""
+    capacity_rows: int
+    """Rows in the tier."""
+
+
+@attrs.frozen(kw_only=True)
+class Reservation:
+    """The rows a reservation gave: one per key the tier lacked, in the order asked."""
+
+    keys: tuple[OffloadKey, ...]
+    """The keys that got a row (now writing); keys already present are left out."""
+    rows: IdArray = attrs.field(converter=frozen_ids, eq=attrs.cmp_using(eq=arrays_equal))
+    """The row of each key of `keys`, same order."""
+    evicted: tuple[OffloadKey, ...] = ()
+    """Ready keys evicted to make the room, first victim first."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.rows.shape != (len(self.keys),):
+            raise PlanInvariantError(
+                field="rows", expected=f"one row per key ({len(self.keys)})", got=self.rows.shape
+            )
+
+
+def _by_group(keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
+    grouped: dict[int, list[OffloadKey]] = {}
+    for key in keys:
+        grouped.setdefault(key.group, []).append(key)
+    return grouped
+
+
+class Catalog:
+    """The CPU tier's bookkeeping: rows, key states, pins, eviction, events and counters.
+
+    It is a `StoreTierView` (and so a `KeyStatusView`): the planner may read it directly.
+    Every changing method either does all it says or raises and changes nothing.
+    """
+
+    def __init__(self, config: CatalogConfig) -> None:
+        if not isinstance(config, CatalogConfig):
+            raise InvalidInputError(field="config", expected="a CatalogConfig", got=config)
+        self._config = config
+        self._policy = make_policy(config.policy, config.capacity_rows)
+        self._status: dict[OffloadKey, KeyStatus] = {}
+        """HIT for ready keys, PENDING for writing ones: `statuses` is one dict lookup a key."""
+        self._rows: dict[OffloadKey, int] = {}
+        self._pins: dict[OffloadKey, int] = {}
+        self._writing: dict[OffloadKey, tuple[int, str | None]] = {}
+        """Per writing key: the token position its chunk ends at, and the storing request."""
+        self._freed: list[int] = []
+        self._next_fresh = 0
+        self._events: list[CatalogEvent] = []
+        self._hits = self._misses = self._stores = self._failed = self._evictions = 0
+
+    @property
+    def config(self) -> CatalogConfig:
+        """Return the configuration the catalog was made with."""
+        return self._config
+
+    @property
+    def capacity_rows(self) -> int:
+        """Return the number of rows in the tier."""
+        return self._config.capacity_rows
+
+    @property
+    def rows_used(self) -> int:
+        """Return the number of rows held by writing and ready keys."""
+        return len(self._rows)
+
+    @property
+    def free_rows(self) -> int:
+        """Return the number of rows no key holds."""
+        return self._config.capacity_rows - len(self._rows)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def statuses(
+        self, keys: Sequence[OffloadKey], *, pinned_as_pending: bool = False
+    ) -> list[KeyStatus]:
+        """Return per key HIT (ready), PENDING (writing) or MISS (absent); with
+        `pinned_as_pending`, PENDING also for ready keys that a load is reading."""
+        get = self._status.get
+        if not pinned_as_pending or not self._pins:
+            return [get(key, _MISS) for key in keys]
+        pins = self._pins
+        return [_PENDING if key in pins else get(key, _MISS) for key in keys]
+
+    def entry(self, key: OffloadKey) -> CatalogEntry | None:
+        """Return what the catalog holds for `key`, or None when the key is absent."""
+        status = self._status.get(key)
+        if status is None:
+            return None
+        return CatalogEntry(
+            state=KeyState.READY if status is _HIT else KeyState.WRITING,
+            row=self._rows[key],
+            pins=self._pins.get(key, 0),
+        )
+
+    def snapshot(self) -> dict[OffloadKey, CatalogEntry]:
+        """Return every present key's entry (a copy; for checks and debugging, not hot paths)."""
+        return {key: entry for key in self._status if (entry := self.entry(key)) is not None}
+
+    def is_pinned(self, key: OffloadKey) -> bool:
+        """Return True when a load is reading `key`."""
+        return key in self._pins
+
+    def counters(self) -> CatalogCounters:
+        """Return the running totals and the rows in use now."""
+        return CatalogCounters(
+            hits=self._hits,
+            misses=self._misses,
+            stores=self._stores,
+            failed_stores=self._failed,
+            evictions=self._evictions,
+            rows_used=len(self._rows),
+            capacity_rows=self._config.capacity_rows,
+        )
+
+    def view(self, *, pinned_as_pending: bool = False) -> CatalogView:
+        """Return a read-only view of this catalog for the planner.
+
+        With `pinned_as_pending`, keys that a load is reading answer PENDING instead of HIT: a
+        second request with the same prefix then retries until the first load has put the
+        blocks on the GPU, where the engine's prefix cache finds them.
+        """
+        return CatalogView(self, pinned_as_pending=pinned_as_pending)
+
+    # -- stores --------------------------------------------------------------------------------
+
+    def _victims(self, keys: Iterable[OffloadKey]) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        """Return (the distinct absent keys of `keys`, the victims making room), or raise
+        _NoRoom."""
+        asked = dict.fromkeys(keys)
+        status = self._status
+        new = [key for key in asked if key not in status]
+        need = len(new) - self.free_rows
+        if need <= 0:
+            return new, []
+        pins = self._pins
+        victims = self._policy.choose(need, lambda key: key in pins or key in asked)
+        if victims is None:
+            raise _NoRoomError
+        return new, victims
+
+    def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
+        """Return True when every key of `keys` that is absent can get a row, evicting only
+        ready, unpinned keys outside `keys` (what `reserve` would do; nothing changes)."""
+        try:
+            self._victims(keys)
+        except _NoRoomError:
+            return False
+        return True
+
+    def reserve(
+        self,
+        keys: Sequence[OffloadKey],
+        *,
+        positions: Sequence[int] | None = None,
+        request: str | None = None,
+    ) -> Reservation | None:
+        """Reserve rows for the keys of `keys` the tier lacks; return them, or None for no room.
+
+        All or nothing: present keys (writing or ready) are skipped, and ready present keys are
+        touched (they are in use, and so is `request`); the absent ones become writing, in rows that are free or
+        freed by evicting ready, unpinned keys outside `keys`. When that cannot make enough room,
+        nothing changes and the answer is None. `positions[i]` is the token index where the
+        chunk of `keys[i]` ends (the tail-first policy evicts later positions first); `request`
+        is the request storing them.
+        """
+        if positions is not None and len(positions) != len(keys):
+            raise InvalidInputError(
+                request=request,
+                field="positions",
+                expected=f"one position per key ({len(keys)})",
+                got=len(positions),
+            )
+        try:
+            new, victims = self._victims(keys)
+        except _NoRoomError:
+            return None
+        present_ready = [key for key in keys if self._status.get(key) is _HIT]
+        self._policy.touch(present_ready, request=request)
+        if victims:  # the touch may reorder the candidates, never their number
+            new, victims = self._victims(keys)
+        for key in victims:
+            self._evict(key)
+        if victims:
+            self._record(EventKind.REMOVED, victims)
+        position_of = dict(zip(keys, positions, strict=True)) if positions is not None else {}
+        rows = []
+        for key in new:
+            row = self._take_row()
+            self._rows[key] = row
+            self._status[key] = _PENDING
+            self._writing[key] = (position_of.get(key, 0), request)
+            rows.append(row)
+        self._misses += len(new)
+        return Reservation(keys=tuple(new), rows=rows, evicted=tuple(victims))
+
+    def complete_store(self, keys: Sequence[OffloadKey], *, success: bool) -> None:
+        """Finish the store of `keys` (all writing): success makes them ready, failure forgets
+        them and frees their rows. Raise PlanInvariantError, changing nothing, when a key is
+        not writing."""
+        writing = self._writing
+        for key in keys:
+            if key not in writing:
+                raise PlanInvariantError(
+                    group=key.group,
+                    field="keys",
+                    expected="keys being written (reserved, store in flight)",
+                    got=f"{key} ({self._describe(key)})",
+                )
+        if success:
+            for key in keys:
+                position, request = writing.pop(key)
+                self._status[key] = _HIT
+                self._policy.admit(key, position=position, request=request)
+            self._stores += len(keys)
+            self._record(EventKind.STORED, keys)
+        else:
+            for key in keys:
+                del writing[key]
+                del self._status[key]
+                self._freed.append(self._rows.pop(key))
+            self._failed += len(keys)
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[OffloadKey], *, request: str | None = None) -> IdArray:
+        """Pin ready `keys` for a load by `request`; return their rows in the same order.
+
+        A key pinned k times is unpinned k times before it can be evicted. Raise
+        PlanInvariantError, changing nothing, when a key is not ready.
+        """
+        status = self._status
+        for key in keys:
+            if status.get(key) is not _HIT:
+                raise PlanInvariantError(
+                    request=request,
+                    group=key.group,
+                    field="keys",
+                    expected="ready keys to load",
+                    got=f"{key} ({self._describe(key)})",
+                )
+        pins = self._pins
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+        self._hits += len(keys)
+        self._policy.touch(keys, request=request)
+        rows = self._rows
+        return frozen_ids(np.fromiter((rows[key] for key in keys), dtype=np.int64, count=len(keys)))
+
+    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+        """Release one pin of each key of `keys` (a load ended). Raise PlanInvariantError,
+        changing nothing, when a key is pinned fewer times than it appears in `keys`."""
+        wanted: dict[OffloadKey, int] = {}
+        for key in keys:
+            wanted[key] = wanted.get(key, 0) + 1
+        pins = self._pins
+        for key, count in wanted.items():
+            if pins.get(key, 0) < count:
+                raise PlanInvariantError(
+                    group=key.group,
+                    field="keys",
+                    expected=f"a key pinned at least {count} time(s)",
+                    got=f"{key} pinned {pins.get(key, 0)} time(s)",
+                )
+        for key, count in wanted.items():
+            left = pins[key] - count
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
+
+    # -- events and reset ----------------------------------------------------------------------
+
+    def drain_events(self) -> tuple[CatalogEvent, ...]:
+        """Return the events recorded since the last drain (oldest first) and forget them."""
+        events, self._events = tuple(self._events), []
+        return events
+
+    def reset(self) -> None:
+        """Forget every key, row and pin (counters keep their totals); ready keys are
+        reported as removed."""
+        ready = [key for key, status in self._status.items() if status is _HIT]
+        if ready:
+            self._record(EventKind.REMOVED, ready)
+        self._status.clear()
+        self._rows.clear()
+        self._pins.clear()
+        self._writing.clear()
+        self._freed.clear()
+        self._next_fresh = 0
+        self._policy.clear()
+
+    # -- private -------------------------------------------------------------------------------
+
+    def _take_row(self) -> int:
+        if self._freed:
+            return self._freed.pop()
+        row = self._next_fresh
+        self._next_fresh += 1
+        return row
+
+    def _evict(self, key: OffloadKey) -> None:
+        del self._status[key]
+        self._freed.append(self._rows.pop(key))
+        self._policy.remove(key)
+        self._evictions += 1
+
+    def _record(self, kind: EventKind, keys: Iterable[OffloadKey]) -> None:
+        if not self._config.record_events:
+            return
+        for group, group_keys in _by_group(keys).items():
+            self._events.append(CatalogEvent(kind=kind, group=group, keys=tuple(group_keys)))
+
+    def _describe(self, key: OffloadKey) -> str:
+        status = self._status.get(key)
+        if status is None:
+            return "absent"
+        if status is _PENDING:
+            return "writing"
+        return f"ready, pinned {self._pins[key]} time(s)" if key in self._pins else "ready"
+
+
+class _NoRoomError(Exception):
+    """Private signal: a reservation cannot make enough room."""
+
+
+class CatalogView:
+    """A read-only view of a Catalog for the planner (`StoreTierView`)."""
+
+    def __init__(self, catalog: Catalog, *, pinned_as_pending: bool = False) -> None:
+        self._catalog = catalog
+        self._pinned_as_pending = pinned_as_pending
+
+    def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
+        """Return the catalog's statuses; with `pinned_as_pending`, PENDING for pinned keys."""
+        return self._catalog.statuses(keys, pinned_as_pending=self._pinned_as_pending)
+
+    def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
+        """Return the catalog's `can_reserve(keys)`."""
+        return self._catalog.can_reserve(keys)

@@ -1,0 +1,395 @@
+"""The CPU-tier catalog's rules: rows, reservation, completion, pins, views, events, counters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvferry.core.blocks import GroupBlocks
+from kvferry.core.catalog import (
+    Catalog,
+    CatalogConfig,
+    CatalogEntry,
+    CatalogEvent,
+    EventKind,
+    KeyState,
+    rows_for_budget,
+)
+from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
+from kvferry.core.errors import InvalidInputError, PlanInvariantError
+from kvferry.core.eviction import EvictionPolicyKind
+from kvferry.core.keys import KeyStatus, OffloadKey
+from kvferry.core.state import new_request_state
+from kvferry.core.store import StoreOutcome, StoreTierView, plan_store
+
+HIT, MISS, PENDING = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.PENDING
+
+
+def k(i: int, group: int = 0) -> OffloadKey:
+    return OffloadKey(group, i.to_bytes(4, "big"))
+
+
+def catalog(capacity: int, *, events: bool = False) -> Catalog:
+    return Catalog(CatalogConfig(capacity_rows=capacity, record_events=events))
+
+
+def stored(capacity: int, keys: list[OffloadKey], *, events: bool = False) -> Catalog:
+    """A catalog where `keys` are ready (stored in that order)."""
+    cat = catalog(capacity, events=events)
+    reservation = cat.reserve(keys)
+    assert reservation is not None
+    cat.complete_store(keys, success=True)
+    return cat
+
+
+# -- capacity ---------------------------------------------------------------------------------
+
+
+def test_rows_for_budget_counts_whole_rows() -> None:
+    assert rows_for_budget(10 * 2**30, 3 * 2**20) == 3413
+
+
+def test_rows_for_budget_rejects_a_zero_row_size() -> None:
+    with pytest.raises(InvalidInputError, match="bytes_per_row"):
+        rows_for_budget(1024, 0)
+
+
+def test_rows_for_budget_rejects_a_negative_budget() -> None:
+    with pytest.raises(InvalidInputError, match="budget_bytes"):
+        rows_for_budget(-1, 64)
+
+
+def test_config_rejects_a_negative_capacity() -> None:
+    with pytest.raises(InvalidInputError, match="capacity_rows"):
+        CatalogConfig(capacity_rows=-1)
+
+
+def test_config_rejects_a_policy_given_as_a_string() -> None:
+    with pytest.raises(TypeError):
+        CatalogConfig(capacity_rows=4, policy="lru")  # type: ignore[arg-type]
+
+
+def test_catalog_rejects_a_config_that_is_not_a_catalog_config() -> None:
+    with pytest.raises(InvalidInputError, match="config"):
+        Catalog({"capacity_rows": 4})  # type: ignore[arg-type]
+
+
+def test_a_zero_capacity_tier_has_no_room_for_one_key() -> None:
+    assert catalog(0).reserve([k(1)]) is None
+
+
+# -- reservation ------------------------------------------------------------------------------
+
+
+def test_reserve_gives_fresh_rows_in_the_order_asked() -> None:
+    reservation = catalog(4).reserve([k(1), k(2), k(3)])
+    assert reservation is not None
+    assert reservation.keys == (k(1), k(2), k(3))
+    assert reservation.rows.tolist() == [0, 1, 2]
+
+
+def test_reserved_keys_are_pending_never_hits() -> None:
+    cat = catalog(4)
+    cat.reserve([k(1)])
+    assert cat.statuses([k(1), k(2)]) == [PENDING, MISS]
+
+
+def test_reserve_skips_keys_already_present_without_error() -> None:
+    cat = stored(4, [k(1)])
+    cat.reserve([k(2)])
+    reservation = cat.reserve([k(1), k(2), k(3)])
+    assert reservation is not None
+    assert reservation.keys == (k(3),)
+    assert reservation.rows.tolist() == [2]
+
+
+def test_reserve_gives_a_repeated_key_one_row() -> None:
+    reservation = catalog(4).reserve([k(1), k(1)])
+    assert reservation is not None
+    assert reservation.keys == (k(1),)
+
+
+def test_reserve_reuses_rows_freed_by_a_failed_store() -> None:
+    cat = catalog(2)
+    cat.reserve([k(1), k(2)])
+    cat.complete_store([k(2)], success=False)
+    reservation = cat.reserve([k(3)])
+    assert reservation is not None
+    assert reservation.rows.tolist() == [1]
+
+
+def test_reserve_evicts_ready_keys_to_make_room() -> None:
+    cat = stored(2, [k(1), k(2)])
+    reservation = cat.reserve([k(3)])
+    assert reservation is not None
+    assert reservation.evicted == (k(1),)
+    assert reservation.rows.tolist() == [0]
+    assert cat.statuses([k(1), k(2), k(3)]) == [MISS, HIT, PENDING]
+
+
+def test_reserve_with_too_little_room_changes_nothing_and_says_no_room() -> None:
+    cat = stored(3, [k(1), k(2)])
+    cat.pin([k(1)])
+    cat.reserve([k(3)])
+    before = cat.snapshot()
+    assert cat.reserve([k(4), k(5)]) is None
+    assert cat.snapshot() == before
+
+
+def test_reserve_never_evicts_a_key_of_the_same_call() -> None:
+    cat = stored(2, [k(1), k(2)])
+    assert cat.reserve([k(1), k(2), k(3)]) is None
+    assert cat.statuses([k(1), k(2)]) == [HIT, HIT]
+
+
+def test_reserve_never_evicts_a_pinned_key() -> None:
+    cat = stored(2, [k(1), k(2)])
+    cat.pin([k(1)])
+    reservation = cat.reserve([k(3)])
+    assert reservation is not None
+    assert reservation.evicted == (k(2),)
+
+
+def test_reserve_never_evicts_a_writing_key() -> None:
+    cat = catalog(2)
+    cat.reserve([k(1), k(2)])
+    assert cat.reserve([k(3)]) is None
+
+
+def test_reserve_rejects_positions_that_do_not_match_the_keys() -> None:
+    with pytest.raises(InvalidInputError, match="positions"):
+        catalog(4).reserve([k(1), k(2)], positions=[16])
+
+
+def test_can_reserve_agrees_with_reserve_and_changes_nothing() -> None:
+    cat = stored(2, [k(1), k(2)])
+    cat.pin([k(1)])
+    before = cat.snapshot()
+    assert cat.can_reserve([k(3)]) is True
+    assert cat.can_reserve([k(3), k(4)]) is False
+    assert cat.can_reserve([k(2), k(3)]) is False
+    assert cat.snapshot() == before
+
+
+def test_can_reserve_is_true_when_every_key_is_present() -> None:
+    assert stored(1, [k(1)]).can_reserve([k(1)]) is True
+
+
+# -- store completion -------------------------------------------------------------------------
+
+
+def test_a_successful_store_makes_its_keys_ready() -> None:
+    cat = catalog(2)
+    cat.reserve([k(1)])
+    cat.complete_store([k(1)], success=True)
+    assert cat.entry(k(1)) == CatalogEntry(state=KeyState.READY, row=0, pins=0)
+
+
+def test_a_failed_store_forgets_its_keys_and_frees_their_rows() -> None:
+    cat = catalog(2)
+    cat.reserve([k(1), k(2)])
+    cat.complete_store([k(1), k(2)], success=False)
+    assert cat.statuses([k(1), k(2)]) == [MISS, MISS]
+    assert cat.rows_used == 0
+
+
+def test_a_failed_store_never_leaves_a_ready_key() -> None:
+    cat = stored(3, [k(1)])
+    cat.reserve([k(2)])
+    cat.complete_store([k(2)], success=False)
+    assert cat.snapshot() == {k(1): CatalogEntry(state=KeyState.READY, row=0, pins=0)}
+
+
+def test_completing_a_store_of_a_key_not_writing_raises_and_changes_nothing() -> None:
+    cat = stored(3, [k(1)])
+    cat.reserve([k(2)])
+    before = cat.snapshot()
+    with pytest.raises(PlanInvariantError, match="ready"):
+        cat.complete_store([k(2), k(1)], success=False)
+    assert cat.snapshot() == before
+
+
+# -- pins -------------------------------------------------------------------------------------
+
+
+def test_pin_returns_the_rows_of_the_keys_in_order() -> None:
+    cat = stored(4, [k(1), k(2), k(3)])
+    assert cat.pin([k(3), k(1)]).tolist() == [2, 0]
+
+
+def test_pinned_keys_stay_hits_in_the_catalog() -> None:
+    cat = stored(2, [k(1)])
+    cat.pin([k(1)])
+    assert cat.statuses([k(1)]) == [HIT]
+    assert cat.entry(k(1)) == CatalogEntry(state=KeyState.READY, row=0, pins=1)
+
+
+def test_pinning_a_writing_key_raises_and_pins_nothing() -> None:
+    cat = stored(3, [k(1)])
+    cat.reserve([k(2)])
+    with pytest.raises(PlanInvariantError, match="writing"):
+        cat.pin([k(1), k(2)], request="r1")
+    assert not cat.is_pinned(k(1))
+
+
+def test_pinning_an_absent_key_raises() -> None:
+    with pytest.raises(PlanInvariantError, match="absent"):
+        catalog(2).pin([k(1)])
+
+
+def test_a_key_pinned_twice_needs_two_unpins_to_become_evictable() -> None:
+    cat = stored(1, [k(1)])
+    cat.pin([k(1)])
+    cat.pin([k(1)])
+    cat.unpin([k(1)])
+    assert cat.reserve([k(2)]) is None
+    cat.unpin([k(1)])
+    assert cat.reserve([k(2)]) is not None
+
+
+def test_unpinning_more_than_pinned_raises_and_changes_nothing() -> None:
+    cat = stored(2, [k(1), k(2)])
+    cat.pin([k(1), k(2)])
+    with pytest.raises(PlanInvariantError, match="pinned 1 time"):
+        cat.unpin([k(2), k(1), k(1)])
+    assert cat.is_pinned(k(1))
+    assert cat.is_pinned(k(2))
+
+
+# -- views ------------------------------------------------------------------------------------
+
+
+def test_a_view_with_pinned_as_pending_reports_pinned_keys_pending() -> None:
+    cat = stored(3, [k(1), k(2)])
+    cat.reserve([k(3)])
+    cat.pin([k(1)])
+    assert cat.view(pinned_as_pending=True).statuses([k(1), k(2), k(3), k(4)]) == [
+        PENDING,
+        HIT,
+        PENDING,
+        MISS,
+    ]
+
+
+def test_a_plain_view_reports_what_the_catalog_reports() -> None:
+    cat = stored(3, [k(1)])
+    cat.pin([k(1)])
+    assert cat.view().statuses([k(1), k(2)]) == cat.statuses([k(1), k(2)])
+
+
+def test_the_catalog_is_a_store_tier_view_the_planner_accepts() -> None:
+    config = OffloadConfig(
+        hash_block_size=4,
+        blocks_per_chunk=1,
+        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=4),),
+    )
+    state = new_request_state(config, "r1", num_prompt_tokens=8, block_hashes=[b"\x01", b"\x02"])
+    cat = catalog(1)
+    tier: StoreTierView = cat
+    decision = plan_store(
+        config,
+        state,
+        [GroupBlocks.of([5, 6])],
+        num_computed_tokens=0,
+        num_scheduled_tokens=8,
+        num_tokens=8,
+        tier=tier,
+    )
+    assert decision.outcome is StoreOutcome.NO_ROOM
+
+
+# -- events and counters ----------------------------------------------------------------------
+
+
+def test_events_report_stored_keys_per_group() -> None:
+    cat = catalog(4, events=True)
+    cat.reserve([k(1), k(2, group=1), k(3)])
+    cat.complete_store([k(1), k(2, group=1), k(3)], success=True)
+    assert cat.drain_events() == (
+        CatalogEvent(kind=EventKind.STORED, group=0, keys=(k(1), k(3))),
+        CatalogEvent(kind=EventKind.STORED, group=1, keys=(k(2, group=1),)),
+    )
+
+
+def test_events_report_evicted_keys_as_removed() -> None:
+    cat = stored(1, [k(1)], events=True)
+    cat.drain_events()
+    cat.reserve([k(2)])
+    assert cat.drain_events() == (CatalogEvent(kind=EventKind.REMOVED, group=0, keys=(k(1),)),)
+
+
+def test_a_failed_store_records_no_event() -> None:
+    cat = catalog(2, events=True)
+    cat.reserve([k(1)])
+    cat.complete_store([k(1)], success=False)
+    assert cat.drain_events() == ()
+
+
+def test_draining_events_empties_the_queue() -> None:
+    cat = stored(1, [k(1)], events=True)
+    cat.drain_events()
+    assert cat.drain_events() == ()
+
+
+def test_no_events_accumulate_unless_asked_for() -> None:
+    assert stored(1, [k(1)]).drain_events() == ()
+
+
+def test_counters_count_hits_misses_stores_failures_evictions_and_rows() -> None:
+    cat = stored(2, [k(1), k(2)])
+    cat.pin([k(2)])
+    cat.reserve([k(3)])
+    cat.complete_store([k(3)], success=False)
+    counters = cat.counters()
+    assert (counters.hits, counters.misses, counters.stores) == (1, 3, 2)
+    assert (counters.failed_stores, counters.evictions) == (1, 1)
+    assert (counters.rows_used, counters.capacity_rows) == (1, 2)
+
+
+# -- reset ------------------------------------------------------------------------------------
+
+
+def test_reset_forgets_every_key_and_pin() -> None:
+    cat = stored(3, [k(1), k(2)])
+    cat.pin([k(1)])
+    cat.reserve([k(3)])
+    cat.reset()
+    assert cat.snapshot() == {}
+    assert cat.rows_used == 0
+
+
+def test_rows_are_handed_out_from_zero_again_after_reset() -> None:
+    cat = stored(3, [k(1), k(2)])
+    cat.reset()
+    reservation = cat.reserve([k(5)])
+    assert reservation is not None
+    assert reservation.rows.tolist() == [0]
+
+
+def test_reset_reports_the_ready_keys_as_removed() -> None:
+    cat = stored(3, [k(1)], events=True)
+    cat.reserve([k(2)])
+    cat.drain_events()
+    cat.reset()
+    assert cat.drain_events() == (CatalogEvent(kind=EventKind.REMOVED, group=0, keys=(k(1),)),)
+
+
+def test_reset_keeps_the_counter_totals() -> None:
+    cat = stored(3, [k(1)])
+    cat.reset()
+    assert cat.counters().stores == 1
+
+
+# -- scale ----------------------------------------------------------------------------------------
+
+
+def test_statuses_answer_every_key_of_a_long_request() -> None:
+    keys = [k(i) for i in range(8192)]
+    cat = stored(8192, keys[::2])
+    statuses = np.array(cat.statuses(keys))
+    assert statuses[::2].tolist() == [HIT] * 4096
+    assert statuses[1::2].tolist() == [MISS] * 4096
+
+
+def test_the_default_policy_is_lru() -> None:
+    assert CatalogConfig(capacity_rows=1).policy is EvictionPolicyKind.LRU
