@@ -271,12 +271,12 @@ class Catalog:
     ) -> Reservation | None:
         """Reserve rows for the keys of `keys` the tier lacks; return them, or None for no room.
 
-        All or nothing: present keys (writing or ready) are skipped, and ready present keys are
-        touched (they are in use, and so is `request`); the absent ones become writing, in rows that are free or
-        freed by evicting ready, unpinned keys outside `keys`. When that cannot make enough room,
-        nothing changes and the answer is None. `positions[i]` is the token index where the
-        chunk of `keys[i]` ends (the tail-first policy evicts later positions first); `request`
-        is the request storing them.
+        All or nothing: present keys (writing or ready) are skipped; the absent ones become
+        writing, in rows that are free or freed by evicting ready, unpinned keys outside `keys`.
+        When that cannot make enough room, nothing changes and the answer is None. Otherwise the
+        ready present keys count as used, and `request` as active, before victims are chosen.
+        `positions[i]` is the token index where the chunk of `keys[i]` ends (the tail-first
+        policy evicts later positions first); `request` is the request storing them.
         """
         if positions is not None and len(positions) != len(keys):
             raise InvalidInputError(
