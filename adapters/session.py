@@ -1,0 +1,548 @@
+"""The scheduler-side session: the facade an engine calls to look up, load, store and finish.
+
+An impure shell around the pure planner and the catalog: it keeps requests and jobs, binds plans
+to rows and job ids, and holds no planning rule of its own; it never copies a byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from kvferry.core.blocks import GroupBlocks
+from kvferry.core.bound import BoundPlan, JobResult
+from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent
+from kvferry.core.config import OffloadConfig
+from kvferry.core.errors import InvalidInputError, PlanInvariantError
+from kvferry.core.keys import KeyStatus, OffloadKey
+from kvferry.core.load import plan_load
+from kvferry.core.lookup import LookupResult, lookup
+from kvferry.core.plan import Direction
+from kvferry.core.state import RequestState, extend_keys, new_request_state
+from kvferry.core.store import StoreOutcome, plan_store
+
+
+def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(
+            request=getattr(instance, "request_id", None),
+            field=attribute.name,
+            expected="an integer >= 0",
+            got=value,
+        )
+
+
+def _blocks_tuple(value: Iterable[GroupBlocks]) -> tuple[GroupBlocks, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class RunningRequest:
+    """What the engine says of one running request at one step (input of `start_stores`)."""
+
+    request_id: str = attrs.field(validator=attrs.validators.instance_of(str))
+    """The engine's request id."""
+    blocks: tuple[GroupBlocks, ...] = attrs.field(converter=_blocks_tuple)
+    """The request's whole block table, one GroupBlocks per group (resent after preemption)."""
+    num_computed_tokens: int = attrs.field(validator=_count)
+    """Tokens whose KV existed before this step."""
+    num_scheduled_tokens: int = attrs.field(validator=_count)
+    """Tokens this step's forward pass computes."""
+    num_tokens: int = attrs.field(validator=_count)
+    """The request's tokens so far (prompt and generated)."""
+    block_hashes: Sequence[bytes] = ()
+    """The request's chained hash-block hashes so far (it only grows); read during the call."""
+    num_prompt_tokens: int | None = None
+    """Prompt length; needed only when the session has not seen the request (else ignored)."""
+
+
+@attrs.frozen(kw_only=True)
+class StoreStep:
+    """The store jobs of one step."""
+
+    jobs: tuple[BoundPlan, ...]
+    """Store jobs to submit to every worker, after this step's forward pass is enqueued."""
+    no_room: tuple[str, ...]
+    """Requests whose new chunks found no room in the tier; they are tried again next step."""
+
+
+@attrs.frozen(kw_only=True)
+class RecomputeRange:
+    """Tokens of a request that a failed load did not bring: the engine must compute them."""
+
+    request_id: str
+    """The request whose load failed."""
+    start: int
+    """First token to recompute (the request's `num_computed_tokens` when the load began)."""
+    stop: int
+    """One past the last token the load was to bring."""
+
+
+@attrs.frozen(kw_only=True)
+class CompletionReport:
+    """What changed because workers reported results."""
+
+    completed: tuple[int, ...] = ()
+    """Jobs every worker has now reported, in the order they completed."""
+    failed: tuple[int, ...] = ()
+    """The jobs of `completed` that failed on at least one worker."""
+    recompute: tuple[RecomputeRange, ...] = ()
+    """Live requests whose load failed: tokens they must compute instead."""
+    released: tuple[str, ...] = ()
+    """Requests (finished or preempted) whose awaited jobs are now all complete: their GPU
+    blocks may be reused."""
+
+
+@attrs.define
+class _Job:
+    """A job in flight (mutable bookkeeping, private)."""
+
+    job_id: int
+    request_id: str
+    direction: Direction
+    keys: tuple[OffloadKey, ...]
+    recompute: RecomputeRange | None = None
+    reported: set[int] = attrs.field(factory=set)
+    failed: bool = False
+
+
+@attrs.define
+class _Request:
+    """What the session keeps of one request (mutable bookkeeping, private)."""
+
+    state: RequestState
+    jobs: set[int] = attrs.field(factory=set)
+    fence: set[int] | None = None
+    finished: bool = False
+
+
+class _RecordingTier:
+    """The catalog as the store planner sees it; remembers the keys of its `can_reserve` call
+    (the plan's candidates, present ones included) so the reservation protects all of them."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+        self.asked: Sequence[OffloadKey] = ()
+
+    def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
+        return self._catalog.statuses(keys)
+
+    def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
+        self.asked = keys
+        return self._catalog.can_reserve(keys)
+
+
+class OffloadSession:
+    """The scheduler side of kvferry for one engine: requests, jobs and the CPU-tier catalog.
+
+    Call order per request (docs/session.md): `lookup` (again each step while it answers
+    retry), `start_load` after the engine allocated blocks, `start_stores` every step for all
+    running requests, `report` whenever workers deliver results, and `finish` (or `preempt`)
+    with the job ids to wait for before the request's GPU blocks are reused.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        catalog: Catalog,
+        *,
+        world_size: int = 1,
+        layout_fingerprint: str | None = None,
+    ) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise InvalidInputError(field="config", expected="an OffloadConfig", got=config)
+        if not isinstance(catalog, Catalog):
+            raise InvalidInputError(field="catalog", expected="a Catalog", got=catalog)
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise InvalidInputError(field="world_size", expected="an integer >= 1", got=world_size)
+        self._config = config
+        self._catalog = catalog
+        self._world_size = world_size
+        self._fingerprint = layout_fingerprint
+        self._lookup_view = catalog.view(pinned_as_pending=True)
+        self._store_tier = _RecordingTier(catalog)
+        self._requests: dict[str, _Request] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._next_job = 1
+        self._first_live_job = 1
+
+    # -- reading -------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> OffloadConfig:
+        """Return the planner configuration."""
+        return self._config
+
+    @property
+    def catalog(self) -> Catalog:
+        """Return the CPU-tier catalog (read it; change it only through the session)."""
+        return self._catalog
+
+    @property
+    def world_size(self) -> int:
+        """Return how many workers must report a job before it is complete."""
+        return self._world_size
+
+    def in_flight(self) -> frozenset[int]:
+        """Return the ids of the jobs not yet reported by every worker."""
+        return frozenset(self._jobs)
+
+    def jobs_of(self, request_id: str) -> frozenset[int]:
+        """Return the ids of `request_id`'s jobs in flight (empty for an unknown request)."""
+        request = self._requests.get(request_id)
+        return frozenset(request.jobs) if request else frozenset()
+
+    def request_state(self, request_id: str) -> RequestState | None:
+        """Return the planning state of `request_id`, or None when the session has none."""
+        request = self._requests.get(request_id)
+        return request.state if request else None
+
+    def counters(self) -> CatalogCounters:
+        """Return the catalog's counters."""
+        return self._catalog.counters()
+
+    def drain_events(self) -> tuple[CatalogEvent, ...]:
+        """Return and forget the catalog's stored/removed events (see CatalogConfig)."""
+        return self._catalog.drain_events()
+
+    # -- the calls of a request's life --------------------------------------------------------
+
+    def lookup(
+        self,
+        request_id: str,
+        *,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        num_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+        store_loaded: bool = False,
+    ) -> LookupResult:
+        """Return how many tokens past `num_computed_tokens` the tier can supply, or retry.
+
+        Idempotent: asking again (next step) reads the tier again and changes nothing but the
+        request's known keys. Keys that a load in flight is reading answer *pending*, so a
+        second request with the same prefix retries until the first has put the blocks on the
+        GPU (where the engine's prefix cache then finds them). `num_prompt_tokens` (default
+        `num_tokens`) and `store_loaded` are read when the request is first seen.
+        """
+        request = self._known(
+            request_id,
+            block_hashes,
+            num_prompt_tokens=num_tokens if num_prompt_tokens is None else num_prompt_tokens,
+            store_loaded=store_loaded,
+        )
+        return lookup(
+            self._config,
+            request.state,
+            num_tokens=num_tokens,
+            num_computed_tokens=num_computed_tokens,
+            tier=self._lookup_view,
+        )
+
+    def start_load(
+        self,
+        request_id: str,
+        blocks: Sequence[GroupBlocks],
+        *,
+        num_computed_tokens: int,
+        hit_tokens: int,
+    ) -> BoundPlan | None:
+        """Return the load job for `hit_tokens` accepted after a lookup, or None (nothing to
+        move); its keys are pinned until the job completes.
+
+        Call it in the same scheduling step as the lookup that found the tokens (stores of
+        that step may evict what was found). Raise PlanInvariantError, changing nothing, when a
+        key is no longer readable.
+        """
+        request = self._live(request_id, "start_load")
+        if hit_tokens == 0:
+            return None
+        plan, state = plan_load(
+            self._config,
+            request.state,
+            blocks,
+            num_computed_tokens=num_computed_tokens,
+            hit_tokens=hit_tokens,
+        )
+        if plan.is_empty:
+            request.state = state
+            return None
+        rows = self._catalog.pin(plan.keys, request=request_id)
+        request.state = state
+        job = self._new_job(request_id, request, Direction.LOAD, plan.keys)
+        job.recompute = RecomputeRange(
+            request_id=request_id,
+            start=num_computed_tokens,
+            stop=num_computed_tokens + hit_tokens,
+        )
+        return BoundPlan(
+            job_id=job.job_id, plan=plan, cpu_rows=rows, layout_fingerprint=self._fingerprint
+        )
+
+    def start_stores(self, requests: Iterable[RunningRequest]) -> StoreStep:
+        """Return this step's store jobs for the running `requests` (rows reserved, keys
+        writing), and the requests that found no room.
+
+        Call it every step after scheduling, for every running request; a request first seen
+        here needs `num_prompt_tokens`.
+        """
+        jobs: list[BoundPlan] = []
+        no_room: list[str] = []
+        config, tier = self._config, self._store_tier
+        for running in requests:
+            rid = running.request_id
+            request = self._known(
+                rid,
+                running.block_hashes,
+                num_prompt_tokens=(
+                    running.num_tokens
+                    if running.num_prompt_tokens is None
+                    else running.num_prompt_tokens
+                ),
+                store_loaded=False,
+            )
+            if request.finished:
+                raise self._finished_error(rid, "start_stores")
+            tier.asked = ()
+            decision = plan_store(
+                config,
+                request.state,
+                running.blocks,
+                num_computed_tokens=running.num_computed_tokens,
+                num_scheduled_tokens=running.num_scheduled_tokens,
+                num_tokens=running.num_tokens,
+                tier=tier,
+            )
+            if decision.outcome is StoreOutcome.NO_ROOM:
+                no_room.append(rid)
+            elif decision.plan is not None:
+                asked = tier.asked
+                reservation = self._catalog.reserve(
+                    asked, positions=self._positions(request.state, asked), request=rid
+                )
+                if reservation is None or reservation.keys != decision.plan.keys:
+                    raise PlanInvariantError(
+                        request=rid,
+                        field="keys",
+                        expected="a reservation of exactly the store plan's keys",
+                        got=None if reservation is None else reservation.keys,
+                    )
+                job = self._new_job(rid, request, Direction.STORE, reservation.keys)
+                jobs.append(
+                    BoundPlan(
+                        job_id=job.job_id,
+                        plan=decision.plan,
+                        cpu_rows=reservation.rows,
+                        layout_fingerprint=self._fingerprint,
+                    )
+                )
+            request.state = decision.state
+        return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room))
+
+    def report(self, worker: int, results: Iterable[JobResult]) -> CompletionReport:
+        """Record `worker`'s results; return what completed (every worker reported) and what
+        follows from it.
+
+        A job succeeds only if it succeeded on every worker. A completed store makes its keys
+        ready, or forgets them when it failed; a completed load unpins its keys, and a failed
+        one names the tokens its request must recompute (unless the request was finished or
+        preempted since). Results of jobs from before a `reset` are ignored. Raise
+        InvalidInputError, changing nothing, for a worker out of range, a job never issued, or
+        a result a worker already gave.
+        """
+        if isinstance(worker, bool) or not isinstance(worker, int):
+            raise InvalidInputError(field="worker", expected="an integer", got=worker)
+        if not 0 <= worker < self._world_size:
+            raise InvalidInputError(
+                field="worker", expected=f"a worker in [0, {self._world_size})", got=worker
+            )
+        results = list(results)
+        live = []
+        seen: set[int] = set()
+        for result in results:
+            job_id = result.job_id
+            if job_id < self._first_live_job:
+                continue
+            job = self._jobs.get(job_id)
+            if job is None or worker in job.reported or job_id in seen:
+                raise InvalidInputError(
+                    field="job_id",
+                    expected=f"a job in flight not yet reported by worker {worker}",
+                    got=job_id if job_id < self._next_job else f"{job_id} (never issued)",
+                )
+            seen.add(job_id)
+            live.append((job, result.success))
+        completed: list[int] = []
+        failed: list[int] = []
+        recompute: list[RecomputeRange] = []
+        released: list[str] = []
+        for job, success in live:
+            job.reported.add(worker)
+            job.failed = job.failed or not success
+            if len(job.reported) < self._world_size:
+                continue
+            completed.append(job.job_id)
+            if job.failed:
+                failed.append(job.job_id)
+            redo = self._complete(job, released)
+            if redo is not None:
+                recompute.append(redo)
+        return CompletionReport(
+            completed=tuple(completed),
+            failed=tuple(failed),
+            recompute=tuple(recompute),
+            released=tuple(released),
+        )
+
+    def finish(self, request_id: str) -> frozenset[int]:
+        """Return the jobs that must complete before the finished (or aborted) request's GPU
+        blocks may be reused: its stores read them, its loads write them. Empty: reuse now.
+
+        The request is forgotten once those jobs complete (`report` then lists it as released);
+        a failed load of a finished request asks for no recompute. Unknown ids answer empty.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return frozenset()
+        request.finished = True
+        waiting = self._fence(request)
+        if not request.jobs:
+            del self._requests[request_id]
+        return waiting
+
+    def preempt(self, request_id: str) -> frozenset[int]:
+        """Return the jobs that must complete before the preempted request's GPU blocks may be
+        reused (as for `finish`); the request stays known.
+
+        Its loads in flight will ask for no recompute (the engine recomputes a preempted request
+        anyway), and its store cursor goes back to the start, so chunks evicted meanwhile are
+        stored again from the blocks the engine will resend (present ones are skipped).
+        """
+        request = self._live(request_id, "preempt")
+        request.state = attrs.evolve(
+            request.state, store_cursor=tuple(0 for _ in request.state.store_cursor)
+        )
+        return self._fence(request)
+
+    def reset(self) -> frozenset[int]:
+        """Forget every request, job and key (the catalog is emptied); return the jobs that were
+        in flight, whose results will be ignored. Wait for them on the workers before reusing
+        their GPU blocks or CPU rows."""
+        abandoned = frozenset(self._jobs)
+        self._catalog.reset()
+        self._jobs.clear()
+        self._requests.clear()
+        self._first_live_job = self._next_job
+        return abandoned
+
+    # -- private -------------------------------------------------------------------------------
+
+    def _known(
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        *,
+        num_prompt_tokens: int,
+        store_loaded: bool,
+    ) -> _Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            if not isinstance(request_id, str):
+                raise InvalidInputError(field="request_id", expected="a string", got=request_id)
+            state = new_request_state(
+                self._config,
+                request_id,
+                num_prompt_tokens=num_prompt_tokens,
+                block_hashes=block_hashes,
+                store_loaded=store_loaded,
+            )
+            request = self._requests[request_id] = _Request(state=state)
+            return request
+        if request.finished:
+            raise self._finished_error(request_id, "lookup")
+        request.state = extend_keys(self._config, request.state, block_hashes)
+        return request
+
+    def _live(self, request_id: str, call: str) -> _Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise InvalidInputError(
+                request=request_id,
+                field="request_id",
+                expected=f"a request the session knows (lookup before {call})",
+                got=request_id,
+            )
+        if request.finished:
+            raise self._finished_error(request_id, call)
+        return request
+
+    @staticmethod
+    def _finished_error(request_id: str, call: str) -> InvalidInputError:
+        return InvalidInputError(
+            request=request_id,
+            field="request_id",
+            expected=f"a request not finished (called {call})",
+            got="a finished request",
+        )
+
+    def _new_job(
+        self,
+        request_id: str,
+        request: _Request,
+        direction: Direction,
+        keys: tuple[OffloadKey, ...],
+    ) -> _Job:
+        job = _Job(job_id=self._next_job, request_id=request_id, direction=direction, keys=keys)
+        self._next_job += 1
+        self._jobs[job.job_id] = job
+        request.jobs.add(job.job_id)
+        return job
+
+    def _fence(self, request: _Request) -> frozenset[int]:
+        for job_id in request.jobs:
+            self._jobs[job_id].recompute = None
+        if not request.jobs:
+            return frozenset()
+        request.fence = (request.fence or set()) | request.jobs
+        return frozenset(request.fence)
+
+    def _complete(self, job: _Job, released: list[str]) -> RecomputeRange | None:
+        del self._jobs[job.job_id]
+        success = not job.failed
+        if job.direction is Direction.STORE:
+            self._catalog.complete_store(job.keys, success=success)
+        else:
+            self._catalog.unpin(job.keys)
+        request = self._requests[job.request_id]
+        request.jobs.discard(job.job_id)
+        if request.fence is not None:
+            request.fence.discard(job.job_id)
+            if not request.fence:
+                request.fence = None
+                released.append(job.request_id)
+        if request.finished and not request.jobs:
+            del self._requests[job.request_id]
+        return None if success else job.recompute
+
+    def _positions(self, state: RequestState, keys: Sequence[OffloadKey]) -> list[int]:
+        """Return the token position where each key's chunk ends; `keys` are a group-ordered,
+        chunk-ordered selection of the request's keys from the store cursors on."""
+        positions = []
+        group, chunk = -1, 0
+        for key in keys:
+            if key.group != group:
+                group, chunk = key.group, state.store_cursor[key.group]
+            group_keys = state.keys[group]
+            while chunk < len(group_keys) and group_keys[chunk] != key:
+                chunk += 1
+            if chunk == len(group_keys):
+                raise PlanInvariantError(
+                    request=state.request_id,
+                    group=group,
+                    field="keys",
+                    expected="store keys in chunk order from the store cursor",
+                    got=str(key),
+                )
+            positions.append((chunk + 1) * self._config.chunk_tokens(group))
+        return positions
