@@ -1,0 +1,229 @@
+"""Copy expansion: a bound plan against a layout becomes byte-level copies, as numpy columns.
+
+Pure and vectorised (one numpy pass per group, never a Python loop per page or descriptor);
+addresses are plain integers, so one expansion serves every executor. It never copies a byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from kvferry.core.arrays import IdArray
+from kvferry.core.bound import BoundPlan
+from kvferry.core.errors import PlanInvariantError
+from kvferry.core.layout import KVLayout
+from kvferry.core.plan import Direction, chunks_spanned
+
+BoolArray = npt.NDArray[np.bool_]
+
+
+def _readonly(value: Any) -> IdArray:
+    """Return a read-only int64 view of `value` (no copy when it already is int64)."""
+    array: IdArray = np.asarray(value, dtype=np.int64).view()
+    array.setflags(write=False)
+    return array
+
+
+@attrs.frozen(kw_only=True)
+class PageCopies:
+    """One entry per (page, ref) copy of a plan, in CPU-row order: group, row, ref, slot.
+
+    That order puts the slots of a ref in one row next to each other (F > 1), then the refs of a
+    row, so copies contiguous on the CPU side are neighbours and merge.
+    """
+
+    direction: Direction
+    """LOAD copies CPU -> GPU, STORE copies GPU -> CPU."""
+    gpu_address: IdArray = attrs.field(converter=_readonly, eq=False)
+    """Absolute address of the page on the GPU side."""
+    cpu_offset: IdArray = attrs.field(converter=_readonly, eq=False)
+    """Byte offset of the slot from the start of the CPU tier."""
+    nbytes: IdArray = attrs.field(converter=_readonly, eq=False)
+    """Bytes to copy (the ref's `page_bytes`)."""
+    key_index: IdArray = attrs.field(converter=_readonly, eq=False)
+    """Index, in the plan's keys (and the bound plan's rows), of the chunk the page belongs to."""
+    group: IdArray = attrs.field(converter=_readonly, eq=False)
+    """Group of the page."""
+    block_id: IdArray = attrs.field(converter=_readonly, eq=False)
+    """GPU block id of the page."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Return the bytes the plan moves."""
+        return int(self.nbytes.sum())
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+
+@attrs.frozen(kw_only=True)
+class CopyList:
+    """Byte copies `(src, dst, nbytes)` as three int64 columns of the same length."""
+
+    src: IdArray = attrs.field(converter=_readonly, eq=False)
+    """Source addresses (or offsets, when the caller works in offsets)."""
+    dst: IdArray = attrs.field(converter=_readonly, eq=False)
+    """Destination addresses (or offsets)."""
+    nbytes: IdArray = attrs.field(converter=_readonly, eq=False)
+    """Bytes per copy."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Return the bytes copied."""
+        return int(self.nbytes.sum())
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+
+def expand_pages(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = None) -> PageCopies:
+    """Return the page copies of `bound` against `layout`, in CPU-row order.
+
+    Group `g` with `n = group_sizes[g] > 0` consumes `n` GPU ids and `ceil((n + skip) / F)` rows,
+    with `skip = block_indices[g] % F`; its page `k` lands in slot `(skip + k) % F` of row
+    `(skip + k) // F`. Every id and row must be consumed exactly, ids must index every ref of the
+    group, rows must lie below `num_rows` (when given), and a store may not write a row twice:
+    otherwise PlanInvariantError names the group.
+    """
+    plan = bound.plan
+    f = layout.blocks_per_chunk
+    request = plan.request_id
+
+    def fail(field: str, expected: str, got: object, group: int | None = None) -> None:
+        raise PlanInvariantError(
+            request=request, group=group, field=field, expected=expected, got=got
+        )
+
+    if plan.blocks_per_chunk != f:
+        fail("blocks_per_chunk", f"{f} (the layout's F)", plan.blocks_per_chunk)
+    if plan.num_groups != layout.num_groups:
+        fail("group_sizes", f"{layout.num_groups} groups (the layout's)", plan.num_groups)
+    row_bytes = layout.row_bytes
+    parts: list[tuple[IdArray, ...]] = []
+    id_start = key_start = 0
+    for g, (n, first) in enumerate(zip(plan.group_sizes, plan.block_indices, strict=True)):
+        skip = first % f
+        n_rows = chunks_spanned(n, skip, f)
+        ids = plan.gpu_block_ids[id_start : id_start + n]
+        rows = bound.cpu_rows[key_start : key_start + n_rows]
+        if len(ids) != n:
+            fail("gpu_block_ids", f"{n} ids for this group", len(ids), g)
+        if len(rows) != n_rows:
+            fail("cpu_rows", f"{n_rows} rows for {n} blocks after a skip of {skip}", len(rows), g)
+        id_start += n
+        key_start += n_rows
+        if n == 0:
+            continue
+        if int(ids.max()) >= layout.groups[g].num_blocks:
+            fail("gpu_block_ids", f"ids below {layout.groups[g].num_blocks}", int(ids.max()), g)
+        if num_rows is not None and int(rows.max()) >= num_rows:
+            fail("cpu_rows", f"rows below {num_rows} (the tier's)", int(rows.max()), g)
+        parts.append(
+            _expand_group(
+                g=g,
+                ids=ids,
+                rows=rows,
+                skip=skip,
+                first_key=key_start - n_rows,
+                layout=layout,
+                row_bytes=row_bytes,
+            )
+        )
+    if id_start != len(plan.gpu_block_ids):
+        fail("gpu_block_ids", f"{id_start} ids in all", len(plan.gpu_block_ids))
+    if key_start != len(bound.cpu_rows):
+        fail("cpu_rows", f"{key_start} rows in all", len(bound.cpu_rows))
+    if plan.direction is Direction.STORE and len(np.unique(bound.cpu_rows)) != len(bound.cpu_rows):
+        fail("cpu_rows", "distinct rows (a store writes each row once)", bound.cpu_rows.tolist())
+    empty = np.zeros(0, np.int64)
+    gpu, cpu, nbytes, key, group, block = (
+        (np.concatenate(column) for column in zip(*parts, strict=True)) if parts else (empty,) * 6
+    )
+    return PageCopies(
+        direction=plan.direction,
+        gpu_address=gpu,
+        cpu_offset=cpu,
+        nbytes=nbytes,
+        key_index=key,
+        group=group,
+        block_id=block,
+    )
+
+
+def _expand_group(
+    *,
+    g: int,
+    ids: IdArray,
+    rows: IdArray,
+    skip: int,
+    first_key: int,
+    layout: KVLayout,
+    row_bytes: int,
+) -> tuple[IdArray, ...]:
+    """Return the six columns of one group's pages: a (row, ref, slot) grid, masked to the plan."""
+    f = layout.blocks_per_chunk
+    group = layout.groups[g]
+    n = len(ids)
+    base = np.array([r.address for r in group.refs], np.int64)[None, :, None]
+    stride = np.array([r.page_stride for r in group.refs], np.int64)[None, :, None]
+    size = np.array([r.page_bytes for r in group.refs], np.int64)[None, :, None]
+    offset = np.array(group.row_offsets(f), np.int64)[None, :, None]
+    grid_shape = (len(rows), len(group.refs), f)
+    position = np.arange(len(rows) * f, dtype=np.int64).reshape(len(rows), 1, f)
+    valid = np.broadcast_to((position >= skip) & (position < skip + n), grid_shape).ravel()
+    row_of = position // f
+    slot = position % f
+    block = ids[np.clip(position - skip, 0, n - 1)]
+    gpu = base + block * stride
+    cpu = rows[row_of] * row_bytes + offset + slot * stride
+
+    def column(values: IdArray) -> IdArray:
+        flat: IdArray = np.broadcast_to(values, grid_shape).ravel()
+        return flat[valid]
+
+    return (
+        column(gpu),
+        column(cpu),
+        column(size),
+        column(first_key + row_of),
+        np.full(int(valid.sum()), g, np.int64),
+        column(block),
+    )
+
+
+def merge_copies(
+    src: IdArray, dst: IdArray, nbytes: IdArray, *, breaks: BoolArray | None = None
+) -> CopyList:
+    """Return the copies with neighbours contiguous on both sides merged into one.
+
+    `breaks[i]` True forbids merging copy `i` into the one before it (e.g. at the boundary of
+    two separately pinned pieces of host memory).
+    """
+    src, dst, nbytes = (np.asarray(a, dtype=np.int64) for a in (src, dst, nbytes))
+    if len(nbytes) == 0:
+        return CopyList(src=src, dst=dst, nbytes=nbytes)
+    joins = (src[1:] == src[:-1] + nbytes[:-1]) & (dst[1:] == dst[:-1] + nbytes[:-1])
+    if breaks is not None:
+        joins &= ~np.asarray(breaks, dtype=np.bool_)[1:]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return CopyList(src=src[starts], dst=dst[starts], nbytes=np.add.reduceat(nbytes, starts))
+
+
+def copy_list(pages: PageCopies, host_address: int, *, piece_bytes: int = 0) -> CopyList:
+    """Return the merged `(src, dst, nbytes)` copies of `pages`, with the tier at `host_address`.
+
+    Source and destination follow the direction (a store copies GPU -> CPU). With
+    `piece_bytes > 0` no copy crosses a multiple of it on the CPU side.
+    """
+    cpu = pages.cpu_offset + np.int64(host_address)
+    gpu = pages.gpu_address
+    breaks = None
+    if piece_bytes > 0:
+        breaks = pages.cpu_offset % piece_bytes == 0
+    if pages.direction is Direction.STORE:
+        return merge_copies(gpu, cpu, pages.nbytes, breaks=breaks)
+    return merge_copies(cpu, gpu, pages.nbytes, breaks=breaks)

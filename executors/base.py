@@ -1,0 +1,197 @@
+"""The executor contract: submit a bound plan, poll or wait for its result, close to drain.
+
+Bookkeeping shared by every executor lives here; backends only enqueue copies and report when
+they end. An executor never decides what to move: it runs the plans it is given.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import attrs
+
+from kvferry.core.bound import BoundPlan, JobResult
+from kvferry.core.errors import InvalidInputError, KvferryError
+from kvferry.core.expand import PageCopies, expand_pages
+from kvferry.core.layout import KVLayout
+from kvferry.executors.host import HostRegistrar, HostTier
+from kvferry.executors.tensors import KVTensor, RegisteredTensor, build_layout
+
+
+class CopyPath(enum.Enum):
+    """How a GPU executor moves one transfer's bytes."""
+
+    STAGED = "staged"
+    """Gather on the GPU into a staging buffer + one DMA per CPU range (or the reverse)."""
+    ZERO_COPY = "zero_copy"
+    """A copy kernel that reads or writes pinned host memory directly (no staging)."""
+
+
+@attrs.define(kw_only=True)
+class _Job:
+    job_id: int
+    nbytes: int
+    submitted: float
+    handle: Any
+    failure: str | None = None
+
+
+class Executor(abc.ABC):
+    """Runs bound plans asynchronously between registered KV tensors and a host tier.
+
+    `submit` returns at once; every job is reported exactly once, by `poll` or `wait`.
+    """
+
+    name: ClassVar[str]
+    """The name it is registered under."""
+    on_gpu: ClassVar[bool] = True
+    """Whether its KV tensors live in CUDA memory."""
+
+    def __init__(
+        self, *, kv_caches: Sequence[Sequence[KVTensor]], blocks_per_chunk: int, num_rows: int
+    ) -> None:
+        self._layout, self._tensors = build_layout(kv_caches, blocks_per_chunk, on_gpu=self.on_gpu)
+        self._host = HostTier(
+            num_rows=num_rows, row_bytes=self._layout.row_bytes, registrar=self._registrar()
+        )
+        self._jobs: dict[int, _Job] = {}
+        self._closed = False
+
+    # --- what a backend provides -------------------------------------------------------------
+
+    def _registrar(self) -> HostRegistrar | None:
+        """Return how to pin the host tier, or None to leave it pageable."""
+        return None
+
+    @abc.abstractmethod
+    def _enqueue(self, bound: BoundPlan, pages: PageCopies) -> Any:
+        """Queue the copies of `pages`; return a handle `_done`/`_finish` understand."""
+
+    @abc.abstractmethod
+    def _done(self, handle: Any) -> bool:
+        """Return True once the job's copies have finished (raise if they failed)."""
+
+    @abc.abstractmethod
+    def _finish(self, handle: Any) -> float:
+        """Block until the job ends; return its copy time in seconds (raise if it failed)."""
+
+    def _release(self) -> None:
+        """Free backend resources after every job has ended (the base class holds none)."""
+        return None
+
+    # --- the contract --------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> KVLayout:
+        """Return the layout of the registered tensors."""
+        return self._layout
+
+    @property
+    def tensors(self) -> tuple[tuple[RegisteredTensor, ...], ...]:
+        """Return every registered tensor (geometry and refs), group by group."""
+        return self._tensors
+
+    @property
+    def host_tier(self) -> HostTier:
+        """Return the CPU tier this executor copies to and from."""
+        return self._host
+
+    def submit(self, bound: BoundPlan) -> int:
+        """Queue `bound` and return its job id at once.
+
+        Raises InvalidInputError (nothing queued) for a closed executor, a job id already in
+        flight, or a plan bound for another layout; PlanInvariantError for a plan that does not
+        fit the layout or the tier.
+        """
+        if self._closed:
+            raise InvalidInputError(field="executor", expected="an open executor", got="closed")
+        fingerprint = self._layout.fingerprint
+        if bound.layout_fingerprint is not None and bound.layout_fingerprint != fingerprint:
+            raise InvalidInputError(
+                request=bound.plan.request_id,
+                field="layout_fingerprint",
+                expected=fingerprint,
+                got=bound.layout_fingerprint,
+            )
+        if bound.job_id in self._jobs:
+            raise InvalidInputError(
+                request=bound.plan.request_id,
+                field="job_id",
+                expected="a job id not in flight",
+                got=bound.job_id,
+            )
+        submitted = time.perf_counter()
+        pages = expand_pages(bound, self._layout, num_rows=self._host.num_rows)
+        job = _Job(job_id=bound.job_id, nbytes=pages.total_bytes, submitted=submitted, handle=None)
+        try:
+            job.handle = self._enqueue(bound, pages)
+        except KvferryError:
+            raise
+        except Exception as error:  # a backend failure becomes a failed job, not a crash
+            job.failure = f"{type(error).__name__}: {error}"
+        self._jobs[bound.job_id] = job
+        return bound.job_id
+
+    def poll(self) -> list[JobResult]:
+        """Return the results of jobs that have ended since the last report, in submission order."""
+        ended = []
+        for job in list(self._jobs.values()):
+            try:
+                finished = job.failure is not None or self._done(job.handle)
+            except Exception as error:
+                job.failure = f"{type(error).__name__}: {error}"
+                finished = True
+            if finished:
+                ended.append(self._report(job))
+        return ended
+
+    def wait(self, job_ids: Iterable[int]) -> list[JobResult]:
+        """Block until the given jobs end; return their results in the order asked.
+
+        Raises InvalidInputError for an id that is not in flight (unknown or already reported).
+        """
+        ids = list(job_ids)
+        for job_id in ids:
+            if job_id not in self._jobs:
+                raise InvalidInputError(
+                    field="job_ids", expected="ids of jobs in flight", got=job_id
+                )
+        return [self._report(self._jobs[job_id]) for job_id in ids]
+
+    def close(self) -> list[JobResult]:
+        """Wait for every job in flight, release the backend and unpin the tier (idempotent).
+
+        Returns the results of the jobs that were still unreported.
+        """
+        if self._closed:
+            return []
+        results = self.wait(list(self._jobs))
+        self._closed = True
+        self._release()
+        self._host.close()
+        return results
+
+    def _report(self, job: _Job) -> JobResult:
+        seconds = 0.0
+        if job.failure is None:
+            try:
+                seconds = self._finish(job.handle)
+            except Exception as error:
+                job.failure = f"{type(error).__name__}: {error}"
+        del self._jobs[job.job_id]
+        if job.failure is not None:
+            elapsed = time.perf_counter() - job.submitted
+            return JobResult(
+                job_id=job.job_id, success=False, nbytes=0, seconds=elapsed, error=job.failure
+            )
+        return JobResult(job_id=job.job_id, success=True, nbytes=job.nbytes, seconds=seconds)
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,250 @@
+"""The `cupy` executor: the same contract with cupy.cuda streams, events and one copy kernel.
+
+Imports CuPy only when built (the `cupy12`/`cupy13` extras); wraps torch-owned (or any) GPU memory
+by raw address through `__cuda_array_interface__`, never copying or owning it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvferry.core.arrays import IdArray
+from kvferry.core.bound import BoundPlan
+from kvferry.core.errors import ExecutorUnavailableError
+from kvferry.core.expand import CopyList, PageCopies, copy_list
+from kvferry.core.plan import Direction
+from kvferry.executors.base import CopyPath, Executor
+from kvferry.executors.host import HostRegistrar
+from kvferry.executors.staging import plan_stages
+from kvferry.executors.tensors import KVTensor
+
+DEFAULT_STAGING_BYTES = 64 << 20
+"""GPU staging per direction unless told otherwise."""
+
+_HOST_REGISTER_FLAGS = 1 | 2
+"""cudaHostRegisterPortable | cudaHostRegisterMapped (device access through UVA)."""
+
+_MEMCPY_DEFAULT = 4
+"""cudaMemcpyDefault: the direction follows from the (unified) addresses."""
+
+_COPY_KERNEL = r"""
+extern "C" __global__ void kvferry_copy(const long long* __restrict__ desc, const long long n) {
+    // desc holds three columns of n: source addresses, destination addresses, byte counts.
+    for (long long d = blockIdx.x; d < n; d += gridDim.x) {
+        const unsigned long long s = (unsigned long long)desc[d];
+        const unsigned long long t = (unsigned long long)desc[n + d];
+        const long long m = desc[2 * n + d];
+        const unsigned long long all = s | t | (unsigned long long)m;
+        if ((all & 15ULL) == 0ULL) {
+            const int4* src = (const int4*)s;
+            int4* dst = (int4*)t;
+            for (long long i = threadIdx.x; i < (m >> 4); i += blockDim.x) dst[i] = src[i];
+        } else if ((all & 3ULL) == 0ULL) {
+            const int* src = (const int*)s;
+            int* dst = (int*)t;
+            for (long long i = threadIdx.x; i < (m >> 2); i += blockDim.x) dst[i] = src[i];
+        } else {
+            const unsigned char* src = (const unsigned char*)s;
+            unsigned char* dst = (unsigned char*)t;
+            for (long long i = threadIdx.x; i < m; i += blockDim.x) dst[i] = src[i];
+        }
+    }
+}
+"""
+
+_THREADS = 256
+_MAX_BLOCKS = 65535
+
+
+def load_cupy() -> Any:
+    """Return the cupy module, or raise ExecutorUnavailableError naming the extras."""
+    try:
+        return importlib.import_module("cupy")
+    except ImportError as error:
+        raise ExecutorUnavailableError(
+            "the cupy executor needs CuPy: pip install 'kvferry[cupy13]' (CUDA 13) or "
+            f"'kvferry[cupy12]' (CUDA 12) ({error})"
+        ) from error
+
+
+class CupyRegistrar:
+    """Pins host memory with `cudaHostRegister` through CuPy's runtime bindings."""
+
+    def __init__(self, cupy: Any) -> None:
+        self._runtime = cupy.cuda.runtime
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Pin `nbytes` at `address` (portable, mapped); raise ExecutorUnavailableError if not."""
+        try:
+            self._runtime.hostRegister(address, nbytes, _HOST_REGISTER_FLAGS)
+        except Exception as error:
+            raise ExecutorUnavailableError(
+                f"cudaHostRegister of {nbytes} bytes failed: {error}"
+            ) from error
+
+    def unregister(self, address: int) -> None:
+        """Unpin the piece at `address`."""
+        self._runtime.hostUnregister(address)
+
+
+@attrs.define
+class _CupyJob:
+    start: Any
+    end: Any
+    keep: list[Any]
+    path: CopyPath
+
+
+PathChoice = Callable[[PageCopies], CopyPath]
+
+
+class CupyExecutor(Executor):
+    """Moves bytes with one descriptor-driven copy kernel plus DMAs.
+
+    `CopyPath.STAGED` (default): the kernel gathers pages into a GPU staging buffer laid out as
+    CPU rows, then one `cudaMemcpyAsync` per contiguous CPU range (loads: the reverse).
+    `CopyPath.ZERO_COPY`: the kernel reads or writes the pinned tier directly (UVA), on
+    `zero_copy_blocks` thread blocks. `copy_path` may be a function choosing per transfer.
+    """
+
+    name = "cupy"
+
+    def __init__(
+        self,
+        *,
+        kv_caches: Sequence[Sequence[KVTensor]],
+        blocks_per_chunk: int,
+        num_rows: int,
+        compute_stream: Any = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        copy_path: CopyPath | PathChoice = CopyPath.STAGED,
+        zero_copy_blocks: int = 32,
+    ) -> None:
+        cupy = load_cupy()
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as error:
+            raise ExecutorUnavailableError(
+                f"the cupy executor needs a CUDA device: {error}"
+            ) from error
+        if count < 1:
+            raise ExecutorUnavailableError("the cupy executor needs a CUDA device; none is visible")
+        self._cupy = cupy
+        self._cupyx = importlib.import_module("cupyx")
+        super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
+        self._compute_stream = self._as_stream(compute_stream)
+        self._streams = {
+            Direction.LOAD: cupy.cuda.Stream(non_blocking=True),
+            Direction.STORE: cupy.cuda.Stream(non_blocking=True),
+        }
+        self._staging_bytes = max(staging_bytes, self.layout.row_bytes)
+        self._staging: dict[Direction, Any] = {}
+        self._copy_path = copy_path
+        self._zero_copy_blocks = zero_copy_blocks
+        self._kernel = cupy.RawKernel(_COPY_KERNEL, "kvferry_copy")
+
+    def _registrar(self) -> HostRegistrar:
+        return CupyRegistrar(self._cupy)
+
+    def _as_stream(self, stream: Any) -> Any:
+        """Return `stream` as a CuPy stream: None, a CuPy stream, a raw handle or a torch stream."""
+        if stream is None or isinstance(
+            stream, self._cupy.cuda.Stream | self._cupy.cuda.ExternalStream
+        ):
+            return stream
+        handle = getattr(stream, "cuda_stream", stream)
+        return self._cupy.cuda.ExternalStream(int(handle))
+
+    def choose_path(self, pages: PageCopies) -> CopyPath:
+        """Return the copy path for one transfer (the configured one, or what its function says)."""
+        if isinstance(self._copy_path, CopyPath):
+            return self._copy_path
+        return self._copy_path(pages)
+
+    def _stage(self, direction: Direction) -> Any:
+        if direction not in self._staging:
+            self._staging[direction] = self._cupy.empty(self._staging_bytes, dtype=np.uint8)
+        return self._staging[direction]
+
+    def _launch(self, copies: CopyList, stream: Any, keep: list[Any], *, blocks: int) -> None:
+        """Queue one kernel over `copies` (absolute addresses) on `stream`."""
+        n = len(copies)
+        if n == 0:
+            return
+        host: IdArray = self._cupyx.empty_pinned(3 * n, dtype=np.int64)
+        host[:n], host[n : 2 * n], host[2 * n :] = copies.src, copies.dst, copies.nbytes
+        device = self._cupy.empty(3 * n, dtype=np.int64)
+        self._cupy.cuda.runtime.memcpyAsync(
+            device.data.ptr, host.ctypes.data, 3 * n * 8, 1, stream.ptr
+        )
+        keep.extend((host, device))
+        grid = (max(1, min(n, blocks, _MAX_BLOCKS)),)
+        self._kernel(grid, (_THREADS,), (device, np.int64(n)), stream=stream)
+
+    def _enqueue(self, bound: BoundPlan, pages: PageCopies) -> _CupyJob:
+        cupy = self._cupy
+        direction = pages.direction
+        stream = self._streams[direction]
+        compute = self._compute_stream or cupy.cuda.get_current_stream()
+        path = self.choose_path(pages)
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(compute)
+        stream.wait_event(ready)
+        job = _CupyJob(start=cupy.cuda.Event(), end=cupy.cuda.Event(), keep=[], path=path)
+        job.start.record(stream)
+        host = self.host_tier.address
+        if path is CopyPath.ZERO_COPY:
+            copies = copy_list(pages, host, piece_bytes=self.host_tier.piece_bytes)
+            self._launch(copies, stream, job.keep, blocks=self._zero_copy_blocks)
+        else:
+            stage_buffer = self._stage(direction)
+            stage = stage_buffer.data.ptr
+            batches = plan_stages(
+                bound,
+                pages,
+                self.layout,
+                capacity=self._staging_bytes,
+                piece_bytes=self.host_tier.piece_bytes,
+            )
+            memcpy = cupy.cuda.runtime.memcpyAsync
+            for batch in batches:
+                dma, dev = batch.dma, batch.device
+                if direction is Direction.STORE:
+                    gather = CopyList(src=dev.src, dst=dev.dst + stage, nbytes=dev.nbytes)
+                    self._launch(gather, stream, job.keep, blocks=_MAX_BLOCKS)
+                    for s, d, size in zip(
+                        (dma.src + stage).tolist(),
+                        (dma.dst + host).tolist(),
+                        dma.nbytes.tolist(),
+                        strict=True,
+                    ):
+                        memcpy(d, s, size, _MEMCPY_DEFAULT, stream.ptr)
+                else:
+                    for s, d, size in zip(
+                        (dma.src + host).tolist(),
+                        (dma.dst + stage).tolist(),
+                        dma.nbytes.tolist(),
+                        strict=True,
+                    ):
+                        memcpy(d, s, size, _MEMCPY_DEFAULT, stream.ptr)
+                    scatter = CopyList(src=dev.src + stage, dst=dev.dst, nbytes=dev.nbytes)
+                    self._launch(scatter, stream, job.keep, blocks=_MAX_BLOCKS)
+        job.end.record(stream)
+        return job
+
+    def _done(self, handle: _CupyJob) -> bool:
+        return bool(handle.end.done)
+
+    def _finish(self, handle: _CupyJob) -> float:
+        handle.end.synchronize()
+        return float(self._cupy.cuda.get_elapsed_time(handle.start, handle.end)) / 1000.0
+
+    def _release(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+        self._staging.clear()
