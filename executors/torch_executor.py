@@ -189,7 +189,7 @@ class TorchExecutor(Executor):
         return job
 
     def _ids(self, values: Any, keep: list[Any]) -> Any:
-        host = self._torch.from_numpy(values).pin_memory()
+        host = self._torch.from_numpy(values.copy()).pin_memory()
         keep.append(host)
         return host.to(self._device, non_blocking=True)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
@@ -18,7 +18,7 @@ from kvferry.core.bound import BoundPlan
 from kvferry.core.keys import OffloadKey
 from kvferry.core.layout import TensorLayout
 from kvferry.core.plan import Direction, TransferPlan, chunks_spanned
-from kvferry.executors import Executor, KVTensor, make_executor
+from kvferry.executors import Executor, KVTensor, make_executor, register_executor
 
 Bytes = npt.NDArray[np.uint8]
 POISON_GPU = 0xEE
@@ -39,7 +39,9 @@ class TensorSpec:
     nbytes: int = 0  # buffer size; 0 = exactly what the view spans
 
     def buffer_bytes(self) -> int:
-        span = self.offset + sum((s - 1) * st for s, st in zip(self.shape, self.strides, strict=True))
+        span = self.offset + sum(
+            (s - 1) * st for s, st in zip(self.shape, self.strides, strict=True)
+        )
         return max(self.nbytes, (span + 1) * self.itemsize)
 
 
@@ -48,7 +50,9 @@ def _dense(layout: TensorLayout, shape: tuple[int, ...], itemsize: int = 2) -> T
     for size in reversed(shape):
         strides.append(step)
         step *= size
-    return TensorSpec(layout=layout, shape=shape, strides=tuple(reversed(strides)), itemsize=itemsize)
+    return TensorSpec(
+        layout=layout, shape=shape, strides=tuple(reversed(strides)), itemsize=itemsize
+    )
 
 
 def _mamba_pair() -> list[TensorSpec]:
@@ -56,7 +60,11 @@ def _mamba_pair() -> list[TensorSpec]:
     nb, page = NUM_BLOCKS, 512
     return [
         TensorSpec(
-            layout=TensorLayout.MAMBA, shape=(nb, 100), strides=(page, 1), itemsize=1, nbytes=nb * page
+            layout=TensorLayout.MAMBA,
+            shape=(nb, 100),
+            strides=(page, 1),
+            itemsize=1,
+            nbytes=nb * page,
         ),
         TensorSpec(
             layout=TensorLayout.MAMBA,
@@ -76,7 +84,9 @@ LAYOUT_CASES: dict[str, list[list[TensorSpec]]] = {
     "cross_layer": [[_dense(TensorLayout.CROSS_LAYER, (NB, 3, 2, 4, 8))]],
     "mla": [[_dense(TensorLayout.MLA, (NB, 4, 72))]],
     "mamba_padded": [_mamba_pair()],
-    "odd_pages_656_416": [[_dense(TensorLayout.MLA, (NB, 41, 8)), _dense(TensorLayout.MLA, (NB, 13, 16))]],
+    "odd_pages_656_416": [
+        [_dense(TensorLayout.MLA, (NB, 41, 8)), _dense(TensorLayout.MLA, (NB, 13, 16))]
+    ],
     "hybrid_three_groups": [
         [_dense(TensorLayout.KV_SPLIT, (2, NB, 4, 2, 8)) for _ in range(2)],
         [_dense(TensorLayout.BLOCKS_FIRST, (NB, 2, 8, 1, 8))],
@@ -91,7 +101,7 @@ class Backend:
 
     name: str = ""
     executor: str = ""
-    options: dict[str, Any] = {}
+    options: ClassVar[dict[str, Any]] = {}
 
     def buffer(self, nbytes: int) -> Any:
         raise NotImplementedError
@@ -133,12 +143,13 @@ class NumpyBackend(Backend):
 class TorchBackend(Backend):
     """CUDA tensors owned by torch (the cupy executor wraps the same memory)."""
 
-    def __init__(self, executor: str) -> None:
+    def __init__(self, executor: str, device: str = "cuda") -> None:
         self.name = self.executor = executor
         self.torch = importlib.import_module("torch")
+        self.device = device
 
     def buffer(self, nbytes: int) -> Any:
-        return self.torch.zeros(nbytes, dtype=self.torch.uint8, device="cuda")
+        return self.torch.zeros(nbytes, dtype=self.torch.uint8, device=self.device)
 
     def view(self, buffer: Any, spec: TensorSpec) -> Any:
         dtype = {1: self.torch.uint8, 2: self.torch.int16, 4: self.torch.int32}[spec.itemsize]
@@ -154,12 +165,18 @@ class TorchBackend(Backend):
         return result
 
     def sync(self) -> None:
-        self.torch.cuda.synchronize()
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
 
 
 def backend_for(name: str) -> Backend:
     """Return the backend that allocates tensors for executor `name`."""
-    return NumpyBackend() if name == "cpu" else TorchBackend(name)
+    if name == "cpu":
+        return NumpyBackend()
+    if name == "torch-on-cpu":
+        register_executor(name, "_torch_on_cpu:TorchOnCpuExecutor")
+        return TorchBackend(name, device="cpu")
+    return TorchBackend(name)
 
 
 class Model:
@@ -173,7 +190,10 @@ class Model:
         self.f = blocks_per_chunk
         self.buffers = [[backend.buffer(s.buffer_bytes()) for s in group] for group in specs]
         views = [
-            [KVTensor(tensor=backend.view(b, s), layout=s.layout) for b, s in zip(bs, ss, strict=True)]
+            [
+                KVTensor(tensor=backend.view(b, s), layout=s.layout)
+                for b, s in zip(bs, ss, strict=True)
+            ]
             for bs, ss in zip(self.buffers, specs, strict=True)
         ]
         self.executor: Executor = make_executor(
@@ -202,13 +222,17 @@ class Model:
     def snapshot(self) -> list[list[Bytes]]:
         return [[self.backend.read(b) for b in group] for group in self.buffers]
 
-    def ref_pages(self, snapshot: list[list[Bytes]], group: int) -> list[tuple[int, Bytes, int, int, int]]:
+    def ref_pages(
+        self, snapshot: list[list[Bytes]], group: int
+    ) -> list[tuple[int, Bytes, int, int, int]]:
         """Return, per ref of `group`: (tensor index, bytes, offset, page stride, page bytes)."""
         out = []
         for t, registered in enumerate(self.executor.tensors[group]):
             base = self._buffer_address(group, t)
             for ref in registered.refs:
-                out.append((t, snapshot[group][t], ref.address - base, ref.page_stride, ref.page_bytes))
+                out.append(
+                    (t, snapshot[group][t], ref.address - base, ref.page_stride, ref.page_bytes)
+                )
         return out
 
     def _buffer_address(self, group: int, t: int) -> int:
@@ -239,7 +263,11 @@ class GroupMove:
 
 
 def bound_plan(
-    job_id: int, direction: Direction, f: int, moves: Sequence[GroupMove], fingerprint: str | None = None
+    job_id: int,
+    direction: Direction,
+    f: int,
+    moves: Sequence[GroupMove],
+    fingerprint: str | None = None,
 ) -> BoundPlan:
     keys, ids, sizes, firsts, rows = [], [], [], [], []
     for g, move in enumerate(moves):
@@ -301,7 +329,9 @@ def expected_gpu(
             slot = position % f
             for r, (t, _data, off, stride, size) in enumerate(model.ref_pages(before, g)):
                 src = row * layout.row_bytes + offsets[r] + slot * stride
-                after[g][t][off + block * stride : off + block * stride + size] = host[src : src + size]
+                after[g][t][off + block * stride : off + block * stride + size] = host[
+                    src : src + size
+                ]
     return after
 
 

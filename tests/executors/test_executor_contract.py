@@ -22,6 +22,7 @@ from kvferry.core.plan import Direction, chunks_spanned
 
 EXECUTORS = [
     "cpu",
+    "torch-on-cpu",
     pytest.param("torch", marks=pytest.mark.gpu),
     pytest.param("cupy", marks=pytest.mark.gpu),
 ]
@@ -30,6 +31,8 @@ EXECUTORS = [
 def _model(name: str, case: str = "hybrid_three_groups", f: int = 3, **options: object) -> Model:
     if name == "cupy":
         pytest.importorskip("cupy")
+    if name.startswith("torch"):
+        pytest.importorskip("torch")
     return Model(backend_for(name), LAYOUT_CASES[case], f, **options)
 
 
@@ -40,7 +43,13 @@ def _store_moves(model: Model, rng: np.random.Generator, chunks: list[int]) -> l
     moves, used = [], 0
     for c in chunks:
         ids = rng.choice(NUM_BLOCKS, size=c * f, replace=False)
-        moves.append(GroupMove(ids=tuple(int(i) for i in ids), first=0, rows=tuple(int(r) for r in rows[used : used + c])))
+        moves.append(
+            GroupMove(
+                ids=tuple(int(i) for i in ids),
+                first=0,
+                rows=tuple(int(r) for r in rows[used : used + c]),
+            )
+        )
         used += c
     return moves
 

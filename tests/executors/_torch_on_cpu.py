@@ -1,0 +1,109 @@
+"""The torch executor's staged copy path run on CPU tensors, with stand-ins for CUDA objects.
+
+Test support only: lets CI (when torch is installed) check the gather/scatter/DMA arithmetic of
+the torch executor without a GPU; ordering and speed are the GPU tests' business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+from kvferry.executors.host import HostRegistrar
+from kvferry.executors.torch_executor import TorchExecutor
+
+
+class _Event:
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _Stream:
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _no_stream(stream: Any) -> Iterator[None]:
+    yield
+
+
+class _CudaStandIn:
+    Event = _Event
+    Stream = _Stream
+    stream = staticmethod(_no_stream)
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def current_stream(device: Any = None) -> Any:
+        return _Stream()
+
+
+class _TorchStandIn:
+    """torch, except that `torch.cuda` is a stand-in and pinning is a no-op."""
+
+    def __init__(self) -> None:
+        self._torch = importlib.import_module("torch")
+        self.cuda = _CudaStandIn()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def from_numpy(self, array: Any) -> Any:
+        tensor = self._torch.from_numpy(array)
+        return _Unpinnable(tensor)
+
+
+class _Unpinnable:
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def pin_memory(self) -> Any:
+        return self.tensor
+
+    def __getitem__(self, item: Any) -> Any:
+        return self.tensor[item]
+
+
+class TorchOnCpuExecutor(TorchExecutor):
+    """The torch executor over host tensors: same staging, views and copies, no CUDA."""
+
+    name = "torch-on-cpu"
+    on_gpu = False
+
+    def __init__(self, **options: Any) -> None:
+        import kvferry.executors.torch_executor as module
+
+        original = module.load_torch
+        module.load_torch = _TorchStandIn  # type: ignore[assignment]
+        try:
+            super().__init__(**options)
+        finally:
+            module.load_torch = original
+        self._host_bytes = self._host_bytes.tensor
+
+    def _registrar(self) -> HostRegistrar | None:
+        return None

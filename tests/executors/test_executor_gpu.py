@@ -1,0 +1,147 @@
+"""GPU-only parts of the contract: ordering against the compute stream, torch and CuPy agreeing."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+import pytest
+from _harness import LAYOUT_CASES, POISON_HOST, GroupMove, Model, backend_for, bound_plan
+
+from kvferry.core.plan import Direction
+from kvferry.executors import CopyPath
+
+pytestmark = pytest.mark.gpu
+
+GPU_EXECUTORS = ["torch", "cupy"]
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of a spinning kernel queued ahead on the compute stream
+
+
+def _torch() -> Any:
+    return importlib.import_module("torch")
+
+
+def _flat(groups: list[list[np.ndarray]]) -> list[np.ndarray]:
+    return [array for group in groups for array in group]
+
+
+def _model(name: str, **options: object) -> Model:
+    if name == "cupy":
+        pytest.importorskip("cupy")
+    return Model(backend_for(name), LAYOUT_CASES["hybrid_three_groups"], 3, **options)
+
+
+def _moves() -> list[GroupMove]:
+    return [
+        GroupMove(ids=(5, 9, 2, 30, 31, 7), first=0, rows=(4, 1)),
+        GroupMove(ids=(), first=0, rows=()),
+        GroupMove(ids=(11, 12, 13), first=0, rows=(9,)),
+    ]
+
+
+def _load_moves() -> list[GroupMove]:
+    return [
+        GroupMove(ids=(20, 21, 22, 23, 24), first=1, rows=(4, 1)),
+        GroupMove(ids=(), first=0, rows=()),
+        GroupMove(ids=(14, 15, 16), first=0, rows=(9,)),
+    ]
+
+
+@pytest.mark.parametrize("name", GPU_EXECUTORS)
+def test_a_store_submitted_after_a_kernel_that_writes_the_source_reads_the_new_bytes(
+    name: str,
+) -> None:
+    torch = _torch()
+    model = _model(name)
+    with model.executor as executor:
+        model.fill_random(np.random.default_rng(1))
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for group in model.buffers:
+            for buffer in group:
+                buffer.fill_(0x5A)
+        executor.submit(bound_plan(1, Direction.STORE, 3, _moves()))
+        (result,) = executor.wait([1])
+        assert result.success
+        for g, move in enumerate(_moves()):
+            for r in range(len(executor.layout.groups[g].refs)):
+                mirror = executor.host_tier.mirror(executor.layout, g, r)
+                assert (mirror[list(move.rows)] == 0x5A).all()
+
+
+@pytest.mark.parametrize("name", GPU_EXECUTORS)
+def test_a_load_lands_after_zeroing_queued_before_it(name: str) -> None:
+    torch = _torch()
+    model = _model(name)
+    with model.executor as executor:
+        model.fill_random(np.random.default_rng(2))
+        executor.submit(bound_plan(1, Direction.STORE, 3, _moves()))
+        executor.wait([1])
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for group in model.buffers:
+            for buffer in group:
+                buffer.zero_()
+        executor.submit(bound_plan(2, Direction.LOAD, 3, _load_moves()))
+        (result,) = executor.wait([2])
+        assert result.success
+        torch.cuda.synchronize()
+        mirror = executor.host_tier.mirror(executor.layout, 0, 0)
+        pages = executor.tensors[0][0].refs[0]
+        data = model.snapshot()[0][0]
+        base = int(model.buffers[0][0].data_ptr())
+        for k, block in enumerate((20, 21, 22, 23, 24)):
+            position = 1 + k
+            row, slot = (4, 1)[position // 3], position % 3
+            start = pages.address - base + block * pages.page_stride
+            got = data[start : start + pages.page_bytes]
+            np.testing.assert_array_equal(got, mirror[row, slot])
+            assert got.any()
+
+
+def _destination_after(name: str, **options: object) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    model = _model(name, **options)
+    with model.executor as executor:
+        model.fill_random(np.random.default_rng(3))
+        executor.host_tier.array[:] = POISON_HOST
+        model.run(bound_plan(1, Direction.STORE, 3, _moves()))
+        model.poison()
+        model.run(bound_plan(2, Direction.LOAD, 3, _load_moves()))
+        return executor.host_tier.array.copy(), model.snapshot()
+
+
+def test_torch_and_cupy_give_identical_bytes_for_the_same_plans() -> None:
+    host_t, gpu_t = _destination_after("torch")
+    host_c, gpu_c = _destination_after("cupy")
+    np.testing.assert_array_equal(host_t, host_c)
+    for a, b in zip(_flat(gpu_t), _flat(gpu_c), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_cupy_zero_copy_path_gives_the_same_bytes_as_the_staged_one() -> None:
+    host_s, gpu_s = _destination_after("cupy", copy_path=CopyPath.STAGED)
+    host_z, gpu_z = _destination_after("cupy", copy_path=CopyPath.ZERO_COPY)
+    np.testing.assert_array_equal(host_s, host_z)
+    for a, b in zip(_flat(gpu_s), _flat(gpu_z), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", GPU_EXECUTORS)
+def test_a_small_staging_buffer_splits_a_transfer_into_batches_with_the_same_bytes(
+    name: str,
+) -> None:
+    host_big, gpu_big = _destination_after(name)
+    model = _model(name)
+    row = model.executor.layout.row_bytes
+    model.executor.close()
+    host_small, gpu_small = _destination_after(name, staging_bytes=row)
+    np.testing.assert_array_equal(host_big, host_small)
+    for a, b in zip(_flat(gpu_big), _flat(gpu_small), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", GPU_EXECUTORS)
+def test_the_host_tier_is_pinned(name: str) -> None:
+    model = _model(name)
+    with model.executor as executor:
+        assert executor.host_tier.pinned
+        assert _torch().from_numpy(executor.host_tier.array).is_pinned()
