@@ -178,13 +178,15 @@ class CupyExecutor(Executor):
             return
         host: IdArray = self._cupyx.empty_pinned(3 * n, dtype=np.int64)
         host[:n], host[n : 2 * n], host[2 * n :] = copies.src, copies.dst, copies.nbytes
-        device = self._cupy.empty(3 * n, dtype=np.int64)
+        with stream:
+            device = self._cupy.empty(3 * n, dtype=np.int64)
         self._cupy.cuda.runtime.memcpyAsync(
             device.data.ptr, host.ctypes.data, 3 * n * 8, 1, stream.ptr
         )
         keep.extend((host, device))
         grid = (max(1, min(n, blocks, _MAX_BLOCKS)),)
-        self._kernel(grid, (_THREADS,), (device, np.int64(n)), stream=stream)
+        with stream:
+            self._kernel(grid, (_THREADS,), (device, np.int64(n)))
 
     def _enqueue(self, bound: BoundPlan, pages: PageCopies) -> _CupyJob:
         cupy = self._cupy
