@@ -1,0 +1,91 @@
+"""Staged batches, replayed with memmove on host memory, copy the same bytes as direct copies."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from _harness import LAYOUT_CASES, NUM_ROWS, POISON_HOST, GroupMove, Model, backend_for, bound_plan
+
+from kvferry.core.bound import BoundPlan
+from kvferry.core.errors import InvalidInputError
+from kvferry.core.expand import CopyList, expand_pages
+from kvferry.core.plan import Direction
+from kvferry.executors.staging import plan_stages
+
+
+def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
+    for s, d, n in zip(
+        copies.src.tolist(), copies.dst.tolist(), copies.nbytes.tolist(), strict=True
+    ):
+        ctypes.memmove(dst_base + d, src_base + s, n)
+
+
+def _staged(model: Model, bound: BoundPlan, capacity: int, piece_bytes: int = 0) -> None:
+    """Run `bound` the way a GPU executor does, with a host array standing in for the staging."""
+    executor = model.executor
+    pages = expand_pages(bound, executor.layout, num_rows=NUM_ROWS)
+    stage = np.full(capacity, 0x77, dtype=np.uint8)
+    stage_address, host = int(stage.ctypes.data), executor.host_tier.address
+    batches = plan_stages(bound, pages, executor.layout, capacity=capacity, piece_bytes=piece_bytes)
+    assert sum(b.nbytes for b in batches) == pages.total_bytes
+    for batch in batches:
+        assert batch.stage_bytes <= capacity
+        if bound.plan.direction is Direction.STORE:
+            _replay(batch.device, 0, stage_address)
+            _replay(batch.dma, stage_address, host)
+        else:
+            _replay(batch.dma, host, stage_address)
+            _replay(batch.device, stage_address, 0)
+
+
+def _moves(f: int, groups: int, skip: int) -> list[GroupMove]:
+    moves = []
+    for g in range(groups):
+        rows = (3 * g + 2, 3 * g, 3 * g + 1)
+        ids = tuple(range(5 * g, 5 * g + 3 * f - skip))
+        moves.append(GroupMove(ids=ids, first=f * 4 + skip, rows=rows))
+    return moves
+
+
+@pytest.mark.parametrize("case", sorted(LAYOUT_CASES))
+@pytest.mark.parametrize("rows_per_batch", [1, 2, 100])
+def test_staged_store_and_load_match_direct_copies(case: str, rows_per_batch: int) -> None:
+    f = 3
+    groups = len(LAYOUT_CASES[case])
+    direct = Model(backend_for("cpu"), LAYOUT_CASES[case], f)
+    staged = Model(backend_for("cpu"), LAYOUT_CASES[case], f)
+    capacity = rows_per_batch * direct.executor.layout.row_bytes
+    rng = np.random.default_rng(5)
+    direct.fill_random(rng)
+    for a, b in zip(direct.buffers, staged.buffers, strict=True):
+        for x, y in zip(a, b, strict=True):
+            y[:] = x
+    for model in (direct, staged):
+        model.executor.host_tier.array[:] = POISON_HOST
+    store = [
+        GroupMove(ids=tuple(range(5 * g, 5 * g + 3 * f)), first=0, rows=m.rows)
+        for g, m in enumerate(_moves(f, groups, 0))
+    ]
+    direct.run(bound_plan(1, Direction.STORE, f, store))
+    _staged(staged, bound_plan(1, Direction.STORE, f, store), capacity, piece_bytes=capacity)
+    np.testing.assert_array_equal(staged.executor.host_tier.array, direct.executor.host_tier.array)
+    for model in (direct, staged):
+        model.poison()
+    load = _moves(f, groups, skip=2)
+    direct.run(bound_plan(2, Direction.LOAD, f, load))
+    _staged(staged, bound_plan(2, Direction.LOAD, f, load), capacity)
+    for a, b in zip(direct.snapshot(), staged.snapshot(), strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_a_staging_buffer_smaller_than_a_row_is_refused() -> None:
+    model = Model(backend_for("cpu"), LAYOUT_CASES["mla"], 1)
+    bound = bound_plan(1, Direction.STORE, 1, [GroupMove(ids=(1,), first=0, rows=(0,))])
+    pages = expand_pages(bound, model.executor.layout)
+    with pytest.raises(InvalidInputError, match="staging_bytes"):
+        plan_stages(
+            bound, pages, model.executor.layout, capacity=model.executor.layout.row_bytes - 1
+        )
