@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 
 from kvferry.core.blocks import GroupBlocks
-from kvferry.core.config import OffloadConfig
+from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import OffloadKey
 from kvferry.core.plan import Direction, TransferPlan
@@ -53,6 +53,16 @@ class _GroupLoad:
     next_cursor: int
 
 
+def _first_needed_block(spec: GroupSpec, block_size: int, cached_tokens: int, n_gpu: int) -> int:
+    """Return the first block a group needs to resume at `cached_tokens`: 0 for full attention,
+    the window's first block for a sliding window, the last block (the state) for Mamba."""
+    if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
+        return max(cached_tokens - spec.sliding_window, 0) // block_size
+    if spec.kind is GroupKind.MAMBA:
+        return max(n_gpu - 1, 0)
+    return 0
+
+
 def _plan_group(
     config: OffloadConfig,
     state: RequestState,
@@ -81,7 +91,10 @@ def _plan_group(
             " tokens (the request's complete chunks)",
             cached_tokens - num_computed_tokens,
         )
-    lo = _ceil_div(num_computed_tokens, block_size)
+    lo = max(
+        _ceil_div(num_computed_tokens, block_size),
+        _first_needed_block(config.groups[group], block_size, cached_tokens, n_gpu),
+    )
     taken = blocks.is_null[lo:n_gpu] | blocks.is_cached[lo:n_gpu]
     fillable = np.flatnonzero(~taken)
     cursor = max(state.store_cursor[group], 0 if state.store_loaded else end_chunk)
@@ -113,8 +126,10 @@ def plan_load(
     request's next state (store cursors moved past what is loaded, unless `store_loaded`).
 
     Per group (DESIGN §4.2): destinations are the blocks from the first one in
-    `[ceil(num_computed / T_g), ceil(cached / T_g))` that is neither null nor GPU-cached; keys are
-    chunks `first // F` to `ceil(cached / C_g)`. A null or cached block after the first
+    `[ceil(num_computed / T_g), ceil(cached / T_g))` that is neither null nor GPU-cached — and,
+    for a sliding window, inside the window `[cached - w, cached)`; for Mamba, the state block
+    alone — whether or not the engine nulled the blocks below; keys are chunks `first // F` to
+    `ceil(cached / C_g)`. A null or cached block after the first
     destination is refused: the copy would overwrite a block that is not this request's own.
     """
     state.check_matches(config)

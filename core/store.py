@@ -69,7 +69,9 @@ def _candidate_chunks(
     """Return (complete chunks from the cursor whose blocks are all real, the new cursor)."""
     f = config.blocks_per_chunk
     cursor = state.store_cursor[group]
-    end = max(cursor, min(done // config.chunk_tokens(group), len(state.keys[group])))
+    end = min(done // config.chunk_tokens(group), len(state.keys[group]))
+    if end <= cursor:  # e.g. a load moved the cursor past the chunk this step is still filling
+        return np.empty(0, dtype=np.int64), cursor
     if len(blocks) < end * f:
         raise InvalidInputError(
             request=state.request_id,

@@ -38,10 +38,10 @@ def _state(num_tokens: int = 128) -> RequestState:
 def test_load_into_a_null_block_after_the_first_destination_is_refused() -> None:
     blocks = [
         GroupBlocks.of(range(1, 9)),
-        GroupBlocks.of([0, 0, 0, 0, 0, 11, 0, 13], null=[0, 1, 2, 3, 4, 6]),
+        GroupBlocks.of([0, 0, 0, 0, 0, 0, 12, 0], null=[0, 1, 2, 3, 4, 5, 7]),
     ]
     with pytest.raises(
-        InvalidInputError, match=r"request 'r7', group 1, field 'blocks\[6\]'.*null"
+        InvalidInputError, match=r"request 'r7', group 1, field 'blocks\[7\]'.*null"
     ):
         plan_load(CONFIG, _state(), blocks, num_computed_tokens=0, hit_tokens=128)
 
