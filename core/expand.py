@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
-from kvferry.core.errors import PlanInvariantError
+from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.layout import KVLayout
 from kvferry.core.plan import Direction, chunks_spanned
 
@@ -139,10 +139,15 @@ def expand_pages(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = N
         fail("cpu_rows", f"{key_start} rows in all", len(bound.cpu_rows))
     if plan.direction is Direction.STORE and len(np.unique(bound.cpu_rows)) != len(bound.cpu_rows):
         fail("cpu_rows", "distinct rows (a store writes each row once)", bound.cpu_rows.tolist())
-    empty = np.zeros(0, np.int64)
-    gpu, cpu, nbytes, key, group, block = (
-        (np.concatenate(column) for column in zip(*parts, strict=True)) if parts else (empty,) * 6
-    )
+    if len(parts) == 1:
+        gpu, cpu, nbytes, key, group, block = parts[0]
+    else:
+        empty = np.zeros(0, np.int64)
+        gpu, cpu, nbytes, key, group, block = (
+            (np.concatenate(column) for column in zip(*parts, strict=True))
+            if parts
+            else (empty,) * 6
+        )
     return PageCopies(
         direction=plan.direction,
         gpu_address=gpu,
@@ -174,6 +179,7 @@ def _expand_group(
     offset = np.array(group.row_offsets(f), np.int64)[None, :, None]
     grid_shape = (len(rows), len(group.refs), f)
     position = np.arange(len(rows) * f, dtype=np.int64).reshape(len(rows), 1, f)
+    whole = skip == 0 and n == len(rows) * f
     valid = np.broadcast_to((position >= skip) & (position < skip + n), grid_shape).ravel()
     row_of = position // f
     slot = position % f
@@ -182,15 +188,16 @@ def _expand_group(
     cpu = rows[row_of] * row_bytes + offset + slot * stride
 
     def column(values: IdArray) -> IdArray:
-        flat: IdArray = np.broadcast_to(values, grid_shape).ravel()
-        return flat[valid]
+        flat: IdArray = np.broadcast_to(values, grid_shape).reshape(-1)
+        return flat if whole else flat[valid]
 
+    count = len(rows) * len(group.refs) * f if whole else int(valid.sum())
     return (
         column(gpu),
         column(cpu),
         column(size),
         column(first_key + row_of),
-        np.full(int(valid.sum()), g, np.int64),
+        np.full(count, g, np.int64),
         column(block),
     )
 
@@ -227,3 +234,23 @@ def copy_list(pages: PageCopies, host_address: int, *, piece_bytes: int = 0) -> 
     if pages.direction is Direction.STORE:
         return merge_copies(gpu, cpu, pages.nbytes, breaks=breaks)
     return merge_copies(cpu, gpu, pages.nbytes, breaks=breaks)
+
+
+def split_copies(copies: CopyList, max_bytes: int) -> CopyList:
+    """Return `copies` with every copy longer than `max_bytes` cut into pieces of `max_bytes`.
+
+    The pieces keep the copy's alignment when `max_bytes` is a multiple of it (e.g. 16).
+    """
+    if max_bytes < 1:
+        raise InvalidInputError(field="max_bytes", expected="an integer >= 1", got=max_bytes)
+    counts = -(-copies.nbytes // max_bytes)
+    if len(counts) == 0 or int(counts.max()) <= 1:
+        return copies
+    owner = np.repeat(np.arange(len(counts)), counts)
+    firsts = np.cumsum(counts) - counts
+    offset = (np.arange(int(counts.sum())) - firsts[owner]) * max_bytes
+    return CopyList(
+        src=copies.src[owner] + offset,
+        dst=copies.dst[owner] + offset,
+        nbytes=np.minimum(copies.nbytes[owner] - offset, max_bytes),
+    )

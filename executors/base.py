@@ -55,6 +55,11 @@ class Executor(abc.ABC):
         self, *, kv_caches: Sequence[Sequence[KVTensor]], blocks_per_chunk: int, num_rows: int
     ) -> None:
         self._layout, self._tensors = build_layout(kv_caches, blocks_per_chunk, on_gpu=self.on_gpu)
+        devices = {t.geometry.device for group in self._tensors for t in group}
+        if len(devices) > 1:
+            raise InvalidInputError(
+                field="kv_caches", expected="tensors on one device", got=sorted(devices)
+            )
         self._host = HostTier(
             num_rows=num_rows, row_bytes=self._layout.row_bytes, registrar=self._registrar()
         )
@@ -94,6 +99,11 @@ class Executor(abc.ABC):
     def tensors(self) -> tuple[tuple[RegisteredTensor, ...], ...]:
         """Return every registered tensor (geometry and refs), group by group."""
         return self._tensors
+
+    @property
+    def device(self) -> str:
+        """Return where the registered tensors live (`cpu`, `cuda:N`, or `cuda` when unknown)."""
+        return next(t.geometry.device for group in self._tensors for t in group)
 
     @property
     def host_tier(self) -> HostTier:
@@ -155,6 +165,8 @@ class Executor(abc.ABC):
         Raises InvalidInputError for an id that is not in flight (unknown or already reported).
         """
         ids = list(job_ids)
+        if len(set(ids)) != len(ids):
+            raise InvalidInputError(field="job_ids", expected="distinct ids", got=ids)
         for job_id in ids:
             if job_id not in self._jobs:
                 raise InvalidInputError(

@@ -16,7 +16,7 @@ import numpy as np
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import ExecutorUnavailableError
-from kvferry.core.expand import CopyList, PageCopies, copy_list
+from kvferry.core.expand import CopyList, PageCopies, copy_list, split_copies
 from kvferry.core.plan import Direction
 from kvferry.executors.base import CopyPath, Executor
 from kvferry.executors.host import HostRegistrar
@@ -58,6 +58,8 @@ extern "C" __global__ void kvferry_copy(const long long* __restrict__ desc, cons
 """
 
 _THREADS = 256
+_PIECE_BYTES = 64 << 10
+"""Copies longer than this are split, so a large page is shared by many thread blocks."""
 _MAX_BLOCKS = 65535
 
 
@@ -137,11 +139,14 @@ class CupyExecutor(Executor):
         self._cupy = cupy
         self._cupyx = importlib.import_module("cupyx")
         super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
-        self._compute_stream = self._as_stream(compute_stream)
-        self._streams = {
-            Direction.LOAD: cupy.cuda.Stream(non_blocking=True),
-            Direction.STORE: cupy.cuda.Stream(non_blocking=True),
-        }
+        _, _, index = self.device.partition(":")
+        self._device = cupy.cuda.Device(int(index)) if index else cupy.cuda.Device()
+        with self._device:
+            self._compute_stream = self._as_stream(compute_stream)
+            self._streams = {
+                Direction.LOAD: cupy.cuda.Stream(non_blocking=True),
+                Direction.STORE: cupy.cuda.Stream(non_blocking=True),
+            }
         self._staging_bytes = max(staging_bytes, self.layout.row_bytes)
         self._staging: dict[Direction, Any] = {}
         self._copy_path = copy_path
@@ -167,12 +172,14 @@ class CupyExecutor(Executor):
         return self._copy_path(pages)
 
     def _stage(self, direction: Direction) -> Any:
+        """Return the direction's staging buffer, allocated on first use."""
         if direction not in self._staging:
             self._staging[direction] = self._cupy.empty(self._staging_bytes, dtype=np.uint8)
         return self._staging[direction]
 
     def _launch(self, copies: CopyList, stream: Any, keep: list[Any], *, blocks: int) -> None:
         """Queue one kernel over `copies` (absolute addresses) on `stream`."""
+        copies = split_copies(copies, _PIECE_BYTES)
         n = len(copies)
         if n == 0:
             return
@@ -189,6 +196,10 @@ class CupyExecutor(Executor):
             self._kernel(grid, (_THREADS,), (device, np.int64(n)))
 
     def _enqueue(self, bound: BoundPlan, pages: PageCopies) -> _CupyJob:
+        with self._device:
+            return self._enqueue_on_device(bound, pages)
+
+    def _enqueue_on_device(self, bound: BoundPlan, pages: PageCopies) -> _CupyJob:
         cupy = self._cupy
         direction = pages.direction
         stream = self._streams[direction]
@@ -212,6 +223,7 @@ class CupyExecutor(Executor):
                 self.layout,
                 capacity=self._staging_bytes,
                 piece_bytes=self.host_tier.piece_bytes,
+                group_slices=False,
             )
             memcpy = cupy.cuda.runtime.memcpyAsync
             for batch in batches:

@@ -53,6 +53,9 @@ class StageBatch:
     """Bytes of the plan moved by this batch."""
 
 
+_NO_COPIES = CopyList(src=np.zeros(0, np.int64), dst=np.zeros(0, np.int64), nbytes=np.zeros(0))
+
+
 def plan_stages(
     bound: BoundPlan,
     pages: PageCopies,
@@ -60,11 +63,15 @@ def plan_stages(
     *,
     capacity: int,
     piece_bytes: int = 0,
+    device_copies: bool = True,
+    group_slices: bool = True,
 ) -> tuple[StageBatch, ...]:
     """Return the batches of `bound`: consecutive keys whose rows fit in `capacity` bytes.
 
     A key's rows take `layout.group_row_bytes(g)` of staging, in CPU row layout, so each batch's
-    link copies merge into one per contiguous CPU range (a row, or consecutive rows).
+    link copies merge into one per contiguous CPU range (a row, or consecutive rows). A backend
+    that copies flat descriptors needs only `device_copies`, one that copies per ref only
+    `group_slices`; the other is left empty when turned off.
     """
     plan = bound.plan
     f = layout.blocks_per_chunk
@@ -106,14 +113,17 @@ def plan_stages(
         size = pages.nbytes[p0:p1]
         gpu = pages.gpu_address[p0:p1]
         breaks = cpu % piece_bytes == 0 if piece_bytes else None
+        device = _NO_COPIES
         if pages.direction is Direction.STORE:
             dma = merge_copies(stage, cpu, size, breaks=breaks)
-            device = merge_copies(gpu, stage, size)
+            if device_copies:
+                device = merge_copies(gpu, stage, size)
         else:
             dma = merge_copies(cpu, stage, size, breaks=breaks)
-            device = merge_copies(stage, gpu, size)
+            if device_copies:
+                device = merge_copies(stage, gpu, size)
         slices = []
-        for g in range(plan.num_groups):
+        for g in range(plan.num_groups if group_slices else 0):
             g0, g1 = max(k0, int(group_first_key[g])), min(k1, int(group_first_key[g + 1]))
             if g0 >= g1:
                 continue

@@ -166,6 +166,7 @@ class TorchExecutor(Executor):
             self.layout,
             capacity=self._staging_bytes,
             piece_bytes=self.host_tier.piece_bytes,
+            device_copies=False,
         )
         ready = torch.cuda.Event()
         ready.record(compute)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import PlanInvariantError
-from kvferry.core.expand import copy_list, expand_pages, merge_copies
+from kvferry.core.expand import copy_list, expand_pages, merge_copies, split_copies
 from kvferry.core.keys import OffloadKey
 from kvferry.core.layout import GroupLayout, KVLayout, PageRef
 from kvferry.core.plan import Direction, TransferPlan, chunks_spanned
@@ -191,3 +191,11 @@ def test_merged_copies_cover_the_same_bytes(case: tuple[BoundPlan, KVLayout]) ->
 
     unmerged = byte_pairs(pages.cpu_offset + (1 << 40), pages.gpu_address, pages.nbytes)
     assert byte_pairs(merged.src, merged.dst, merged.nbytes) == unmerged
+
+
+def test_splitting_cuts_long_copies_into_pieces_and_keeps_short_ones() -> None:
+    copies = merge_copies(np.array([0, 1000]), np.array([5000, 9000]), np.array([40, 16]))
+    split = split_copies(copies, 16)
+    assert split.src.tolist() == [0, 16, 32, 1000]
+    assert split.dst.tolist() == [5000, 5016, 5032, 9000]
+    assert split.nbytes.tolist() == [16, 16, 8, 16]

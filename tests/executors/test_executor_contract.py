@@ -196,3 +196,14 @@ def test_close_drains_jobs_and_refuses_later_submissions(name: str) -> None:
     with pytest.raises(InvalidInputError, match="executor"):
         executor.submit(bound_plan(2, Direction.STORE, 3, [move, empty, empty]))
     assert executor.close() == []
+
+
+@pytest.mark.parametrize("name", EXECUTORS)
+def test_waiting_twice_on_one_id_in_one_call_is_refused(name: str) -> None:
+    model = _model(name)
+    empty = GroupMove(ids=(), first=0, rows=())
+    move = GroupMove(ids=(1, 2, 3), first=0, rows=(0,))
+    with model.executor as executor:
+        executor.submit(bound_plan(1, Direction.STORE, 3, [move, empty, empty]))
+        with pytest.raises(InvalidInputError, match="distinct"):
+            executor.wait([1, 1])
