@@ -51,8 +51,9 @@ class RunningRequest:
     """Tokens this step's forward pass computes."""
     num_tokens: int = attrs.field(validator=_count)
     """The request's tokens so far (prompt and generated)."""
-    block_hashes: Sequence[bytes] = ()
-    """The request's chained hash-block hashes so far (it only grows); read during the call."""
+    block_hashes: Sequence[bytes]
+    """The request's chained hash-block hashes so far (it only grows); read during the call,
+    and only when its length changed since the session last saw it."""
     num_prompt_tokens: int | None = None
     """Prompt length; needed only when the session has not seen the request (else ignored)."""
 
@@ -73,10 +74,19 @@ class RecomputeRange:
 
     request_id: str
     """The request whose load failed."""
-    start: int
+    start: int = attrs.field(validator=_count)
     """First token to recompute (the request's `num_computed_tokens` when the load began)."""
-    stop: int
+    stop: int = attrs.field(validator=_count)
     """One past the last token the load was to bring."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.stop <= self.start:
+            raise InvalidInputError(
+                request=self.request_id,
+                field="stop",
+                expected=f"a token after start={self.start}",
+                got=self.stop,
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -112,6 +122,8 @@ class _Request:
     """What the session keeps of one request (mutable bookkeeping, private)."""
 
     state: RequestState
+    num_hashes: int = 0
+    """How many block hashes `state` was keyed from (unchanged: no new key to derive)."""
     jobs: set[int] = attrs.field(factory=set)
     fence: set[int] | None = None
     finished: bool = False
@@ -160,6 +172,7 @@ class OffloadSession:
         self._catalog = catalog
         self._world_size = world_size
         self._fingerprint = layout_fingerprint
+        self._chunk_sizes = tuple(config.chunk_tokens(g) for g in range(config.num_groups))
         self._lookup_view = catalog.view(pinned_as_pending=True)
         self._store_tier = _RecordingTier(catalog)
         self._requests: dict[str, _Request] = {}
@@ -290,6 +303,7 @@ class OffloadSession:
         jobs: list[BoundPlan] = []
         no_room: list[str] = []
         config, tier = self._config, self._store_tier
+        chunk_sizes = self._chunk_sizes
         for running in requests:
             rid = running.request_id
             request = self._known(
@@ -304,6 +318,14 @@ class OffloadSession:
             )
             if request.finished:
                 raise self._finished_error(rid, "start_stores")
+            done = min(
+                running.num_computed_tokens + running.num_scheduled_tokens, running.num_tokens
+            )
+            cursors = request.state.store_cursor
+            if all(
+                done // size <= cursor for size, cursor in zip(chunk_sizes, cursors, strict=True)
+            ):
+                continue  # no chunk completes this step: the planner would answer NOTHING
             tier.asked = ()
             decision = plan_store(
                 config,
@@ -457,11 +479,15 @@ class OffloadSession:
                 block_hashes=block_hashes,
                 store_loaded=store_loaded,
             )
-            request = self._requests[request_id] = _Request(state=state)
+            request = self._requests[request_id] = _Request(
+                state=state, num_hashes=len(block_hashes)
+            )
             return request
         if request.finished:
             raise self._finished_error(request_id, "lookup")
-        request.state = extend_keys(self._config, request.state, block_hashes)
+        if len(block_hashes) != request.num_hashes:
+            request.state = extend_keys(self._config, request.state, block_hashes)
+            request.num_hashes = len(block_hashes)
         return request
 
     def _live(self, request_id: str, call: str) -> _Request:

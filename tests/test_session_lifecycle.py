@@ -505,3 +505,20 @@ def test_tail_first_evicts_a_finished_request_tail_before_its_head() -> None:
     assert session.catalog.entry(key(3)) is None
     entry = session.catalog.entry(key(0))
     assert entry is not None and entry.state is KeyState.READY
+
+
+def test_a_recompute_range_must_hold_at_least_one_token() -> None:
+    with pytest.raises(InvalidInputError, match="stop"):
+        RecomputeRange(request_id="r1", start=8, stop=8)
+
+
+def test_a_running_request_refuses_a_negative_token_count() -> None:
+    with pytest.raises(InvalidInputError, match="num_scheduled_tokens"):
+        step("r1", [10], computed=0, scheduled=-1)
+
+
+def test_a_step_that_completes_no_chunk_leaves_the_store_cursor_alone() -> None:
+    session, _ = make()
+    session.start_stores([step("r1", [10, 11], computed=0, scheduled=8)])
+    session.start_stores([step("r1", [10, 11, 12], computed=8, scheduled=3)])
+    assert session.request_state("r1").store_cursor == (2,)  # type: ignore[union-attr]
