@@ -30,6 +30,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "torch": ("torch", {}),
     "cupy": ("cupy", {"copy_path": CopyPath.STAGED}),
     "cupy-zero-copy": ("cupy", {"copy_path": CopyPath.ZERO_COPY}),
+    "torch-64MiB": ("torch", {"staging_bytes": 64 << 20}),
 }
 
 
@@ -84,12 +85,12 @@ def _measure(executor: Any, bounds: list[BoundPlan]) -> tuple[float, float]:
 def main() -> None:
     """Run the sweep; print the table; write JSON when asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default="torch,cupy,cupy-zero-copy")
     parser.add_argument("--pages-kib", default=DEFAULT_PAGES)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--staging-mib", type=int, default=64)
+    parser.add_argument("--staging-mib", type=int, default=None, help="default: the executor's")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -117,13 +118,10 @@ def main() -> None:
         kv = [[KVTensor(tensor=t, layout=TensorLayout.BLOCKS_FIRST) for t in tensors]]
         for variant in args.variants.split(","):
             name, options = VARIANTS[variant]
+            if args.staging_mib is not None:
+                options = {**options, "staging_bytes": args.staging_mib << 20}
             executor = make_executor(
-                name,
-                kv_caches=kv,
-                blocks_per_chunk=1,
-                num_rows=moved,
-                staging_bytes=args.staging_mib << 20,
-                **options,
+                name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options
             )
             try:
                 for direction in (Direction.STORE, Direction.LOAD):

@@ -147,8 +147,13 @@ class CupyExecutor(Executor):
                 Direction.LOAD: cupy.cuda.Stream(non_blocking=True),
                 Direction.STORE: cupy.cuda.Stream(non_blocking=True),
             }
-        self._staging_bytes = max(staging_bytes, self.layout.row_bytes)
-        self._staging: dict[Direction, Any] = {}
+            self._work_streams = {
+                Direction.LOAD: cupy.cuda.Stream(non_blocking=True),
+                Direction.STORE: cupy.cuda.Stream(non_blocking=True),
+            }
+        self._last_end: dict[Direction, Any] = {}
+        self._half_bytes = max(staging_bytes // 2, self.layout.row_bytes)
+        self._staging: dict[Direction, list[Any]] = {}
         self._copy_path = copy_path
         self._zero_copy_blocks = zero_copy_blocks
         self._kernel = cupy.RawKernel(_COPY_KERNEL, "kvferry_copy")
@@ -171,15 +176,18 @@ class CupyExecutor(Executor):
             return self._copy_path
         return self._copy_path(pages)
 
-    def _stage(self, direction: Direction) -> Any:
-        """Return the direction's staging buffer, allocated on first use."""
+    def _stages(self, direction: Direction) -> list[int]:
+        """Return the addresses of the direction's two staging buffers (allocated on first use)."""
         if direction not in self._staging:
-            self._staging[direction] = self._cupy.empty(self._staging_bytes, dtype=np.uint8)
-        return self._staging[direction]
+            self._staging[direction] = [
+                self._cupy.empty(self._half_bytes, dtype=np.uint8) for _ in range(2)
+            ]
+        return [int(buffer.data.ptr) for buffer in self._staging[direction]]
 
     def _launch(self, copies: CopyList, stream: Any, keep: list[Any], *, blocks: int) -> None:
         """Queue one kernel over `copies` (absolute addresses) on `stream`."""
-        copies = split_copies(copies, _PIECE_BYTES)
+        if blocks >= _MAX_BLOCKS:
+            copies = split_copies(copies, _PIECE_BYTES)
         n = len(copies)
         if n == 0:
             return
@@ -202,54 +210,78 @@ class CupyExecutor(Executor):
     def _enqueue_on_device(self, bound: BoundPlan, pages: PageCopies) -> _CupyJob:
         cupy = self._cupy
         direction = pages.direction
-        stream = self._streams[direction]
+        link, work = self._streams[direction], self._work_streams[direction]
         compute = self._compute_stream or cupy.cuda.get_current_stream()
         path = self.choose_path(pages)
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(compute)
-        stream.wait_event(ready)
+        previous = self._last_end.get(direction)
+        for stream in (link, work):
+            stream.wait_event(ready)
+            if previous is not None:
+                stream.wait_event(previous)
         job = _CupyJob(start=cupy.cuda.Event(), end=cupy.cuda.Event(), keep=[], path=path)
-        job.start.record(stream)
-        host = self.host_tier.address
+        job.start.record(link)
         if path is CopyPath.ZERO_COPY:
-            copies = copy_list(pages, host, piece_bytes=self.host_tier.piece_bytes)
-            self._launch(copies, stream, job.keep, blocks=self._zero_copy_blocks)
-        else:
-            stage_buffer = self._stage(direction)
-            stage = stage_buffer.data.ptr
-            batches = plan_stages(
-                bound,
-                pages,
-                self.layout,
-                capacity=self._staging_bytes,
-                piece_bytes=self.host_tier.piece_bytes,
-                group_slices=False,
+            copies = copy_list(
+                pages, self.host_tier.address, piece_bytes=self.host_tier.piece_bytes
             )
-            memcpy = cupy.cuda.runtime.memcpyAsync
-            for batch in batches:
-                dma, dev = batch.dma, batch.device
-                if direction is Direction.STORE:
-                    gather = CopyList(src=dev.src, dst=dev.dst + stage, nbytes=dev.nbytes)
-                    self._launch(gather, stream, job.keep, blocks=_MAX_BLOCKS)
-                    for s, d, size in zip(
-                        (dma.src + stage).tolist(),
-                        (dma.dst + host).tolist(),
-                        dma.nbytes.tolist(),
-                        strict=True,
-                    ):
-                        memcpy(d, s, size, _MEMCPY_DEFAULT, stream.ptr)
-                else:
-                    for s, d, size in zip(
-                        (dma.src + host).tolist(),
-                        (dma.dst + stage).tolist(),
-                        dma.nbytes.tolist(),
-                        strict=True,
-                    ):
-                        memcpy(d, s, size, _MEMCPY_DEFAULT, stream.ptr)
-                    scatter = CopyList(src=dev.src + stage, dst=dev.dst, nbytes=dev.nbytes)
-                    self._launch(scatter, stream, job.keep, blocks=_MAX_BLOCKS)
-        job.end.record(stream)
+            self._launch(copies, link, job.keep, blocks=self._zero_copy_blocks)
+            job.end.record(link)
+        else:
+            last = self._staged(bound, pages, link, work, job.keep)
+            job.end.record(last)
+        self._last_end[direction] = job.end
         return job
+
+    def _staged(
+        self, bound: BoundPlan, pages: PageCopies, link: Any, work: Any, keep: list[Any]
+    ) -> Any:
+        """Queue a staged transfer, double-buffered (the kernel on `work` overlaps the DMAs on
+        `link`); return the stream whose last operation ends the job."""
+        cupy = self._cupy
+        direction = pages.direction
+        host = self.host_tier.address
+        stages = self._stages(direction)
+        batches = plan_stages(
+            bound,
+            pages,
+            self.layout,
+            capacity=self._half_bytes,
+            piece_bytes=self.host_tier.piece_bytes,
+            group_slices=False,
+        )
+        memcpy = cupy.cuda.runtime.memcpyAsync
+        freed: list[Any] = [None, None]
+        for k, batch in enumerate(batches):
+            stage = stages[k % 2]
+            dma, dev = batch.dma, batch.device
+            done = cupy.cuda.Event(disable_timing=True)
+            released = cupy.cuda.Event(disable_timing=True)
+            if direction is Direction.STORE:
+                if freed[k % 2] is not None:
+                    work.wait_event(freed[k % 2])
+                gather = CopyList(src=dev.src, dst=dev.dst + stage, nbytes=dev.nbytes)
+                self._launch(gather, work, keep, blocks=_MAX_BLOCKS)
+                done.record(work)
+                link.wait_event(done)
+                sources, targets = (dma.src + stage).tolist(), (dma.dst + host).tolist()
+                for s, d, size in zip(sources, targets, dma.nbytes.tolist(), strict=True):
+                    memcpy(d, s, size, _MEMCPY_DEFAULT, link.ptr)
+                released.record(link)
+            else:
+                if freed[k % 2] is not None:
+                    link.wait_event(freed[k % 2])
+                sources, targets = (dma.src + host).tolist(), (dma.dst + stage).tolist()
+                for s, d, size in zip(sources, targets, dma.nbytes.tolist(), strict=True):
+                    memcpy(d, s, size, _MEMCPY_DEFAULT, link.ptr)
+                done.record(link)
+                work.wait_event(done)
+                scatter = CopyList(src=dev.src + stage, dst=dev.dst, nbytes=dev.nbytes)
+                self._launch(scatter, work, keep, blocks=_MAX_BLOCKS)
+                released.record(work)
+            freed[k % 2] = released
+        return link if direction is Direction.STORE else work
 
     def _done(self, handle: _CupyJob) -> bool:
         return bool(handle.end.done)
@@ -259,6 +291,6 @@ class CupyExecutor(Executor):
         return float(self._cupy.cuda.get_elapsed_time(handle.start, handle.end)) / 1000.0
 
     def _release(self) -> None:
-        for stream in self._streams.values():
+        for stream in (*self._streams.values(), *self._work_streams.values()):
             stream.synchronize()
         self._staging.clear()

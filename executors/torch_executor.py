@@ -21,8 +21,9 @@ from kvferry.executors.host import HostRegistrar
 from kvferry.executors.staging import GroupSlice, StageBatch, plan_stages
 from kvferry.executors.tensors import KVTensor, RegisteredTensor
 
-DEFAULT_STAGING_BYTES = 64 << 20
-"""GPU staging per direction unless told otherwise."""
+DEFAULT_STAGING_BYTES = 256 << 20
+"""GPU staging per direction (two halves) unless told otherwise. torch pays ~4 dispatches per
+(batch, ref), so fewer, larger batches matter more here than for the CuPy executor."""
 
 _HOST_REGISTER_FLAGS = 1 | 2
 """cudaHostRegisterPortable | cudaHostRegisterMapped."""
@@ -78,9 +79,11 @@ class TorchExecutor(Executor):
     """Stores: gather pages on the GPU into a staging buffer laid out as CPU rows, then one DMA
     per contiguous CPU range. Loads: the reverse (DMAs in, then a scatter at HBM speed).
 
-    Loads and stores have their own stream and staging buffer; each job first waits, with an
-    event, on the compute stream (the one given at construction, else the current stream at
-    submit time), so it sees the bytes queued compute writes.
+    Loads and stores each have a link stream, a work stream and two staging buffers of half
+    `staging_bytes` (at least one row each), so gathers and scatters overlap the DMAs. Each job
+    first waits, with an event, on the compute stream (the one given at construction, else the
+    current stream at submit time), so it sees the bytes queued compute writes, and on the
+    previous job of its direction, so one direction runs in submission order.
     """
 
     name = "torch"
@@ -108,8 +111,13 @@ class TorchExecutor(Executor):
             Direction.LOAD: torch.cuda.Stream(device=self._device),
             Direction.STORE: torch.cuda.Stream(device=self._device),
         }
-        self._staging_bytes = max(staging_bytes, self.layout.row_bytes)
-        self._staging: dict[Direction, Any] = {}
+        self._work_streams = {
+            Direction.LOAD: torch.cuda.Stream(device=self._device),
+            Direction.STORE: torch.cuda.Stream(device=self._device),
+        }
+        self._last_end: dict[Direction, Any] = {}
+        self._half_bytes = max(staging_bytes // 2, self.layout.row_bytes)
+        self._staging: dict[Direction, list[Any]] = {}
         layout = self.layout
         self._unit = _unit(
             [self.host_tier.row_bytes]
@@ -144,49 +152,78 @@ class TorchExecutor(Executor):
                 )
         return views
 
-    def _stage(self, direction: Direction) -> Any:
+    def _stages(self, direction: Direction) -> list[Any]:
+        """Return the direction's two staging buffers (allocated on first use)."""
         if direction not in self._staging:
-            self._staging[direction] = self._torch.empty(
-                self._staging_bytes, dtype=self._torch.uint8, device=self._device
-            )
-        return self._staging[direction]
+            self._staging[direction] = [
+                self._torch.empty(self._half_bytes, dtype=self._torch.uint8, device=self._device)
+                for _ in range(2)
+            ]
+        staging: list[Any] = self._staging[direction]
+        return staging
 
     def choose_path(self, pages: PageCopies) -> CopyPath:
         """Return the copy path for one transfer (the torch executor only stages, for now)."""
         return CopyPath.STAGED
 
     def _enqueue(self, bound: BoundPlan, pages: PageCopies) -> _TorchJob:
+        """Queue a staged transfer, double-buffered: while the copy stream moves batch k over
+        the link, the work stream gathers batch k+1 (store) or scatters batch k-1 (load)."""
         torch = self._torch
         direction = pages.direction
-        stream = self._streams[direction]
+        link, work = self._streams[direction], self._work_streams[direction]
         compute = self._compute_stream or torch.cuda.current_stream(self._device)
         batches = plan_stages(
             bound,
             pages,
             self.layout,
-            capacity=self._staging_bytes,
+            capacity=self._half_bytes,
             piece_bytes=self.host_tier.piece_bytes,
             device_copies=False,
         )
-        ready = torch.cuda.Event()
-        ready.record(compute)
-        stream.wait_event(ready)
         job = _TorchJob(
             start=torch.cuda.Event(enable_timing=True),
             end=torch.cuda.Event(enable_timing=True),
             keep=[],
         )
-        stage = self._stage(direction)
-        with torch.cuda.stream(stream):
-            job.start.record(stream)
-            for batch in batches:
-                if direction is Direction.STORE:
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        previous = self._last_end.get(direction)
+        for stream in (link, work):
+            stream.wait_event(ready)
+            if previous is not None:
+                stream.wait_event(previous)
+        job.start.record(link)
+        stages = self._stages(direction)
+        freed: list[Any] = [None, None]
+        for k, batch in enumerate(batches):
+            stage = stages[k % 2]
+            done = torch.cuda.Event()
+            if direction is Direction.STORE:
+                if freed[k % 2] is not None:
+                    work.wait_event(freed[k % 2])
+                with torch.cuda.stream(work):
                     self._gather(batch, stage, job.keep)
+                done.record(work)
+                link.wait_event(done)
+                with torch.cuda.stream(link):
                     self._dma(batch, stage, to_host=True)
-                else:
+                freed[k % 2] = torch.cuda.Event()
+                freed[k % 2].record(link)
+            else:
+                if freed[k % 2] is not None:
+                    link.wait_event(freed[k % 2])
+                with torch.cuda.stream(link):
                     self._dma(batch, stage, to_host=False)
+                done.record(link)
+                work.wait_event(done)
+                with torch.cuda.stream(work):
                     self._scatter(batch, stage, job.keep)
-            job.end.record(stream)
+                freed[k % 2] = torch.cuda.Event()
+                freed[k % 2].record(work)
+        last = link if direction is Direction.STORE else work
+        job.end.record(last)
+        self._last_end[direction] = job.end
         return job
 
     def _ids(self, values: Any, keep: list[Any]) -> Any:
@@ -239,6 +276,6 @@ class TorchExecutor(Executor):
         return float(handle.start.elapsed_time(handle.end)) / 1000.0
 
     def _release(self) -> None:
-        for stream in self._streams.values():
+        for stream in (*self._streams.values(), *self._work_streams.values()):
             stream.synchronize()
         self._staging.clear()

@@ -207,3 +207,24 @@ def test_waiting_twice_on_one_id_in_one_call_is_refused(name: str) -> None:
         executor.submit(bound_plan(1, Direction.STORE, 3, [move, empty, empty]))
         with pytest.raises(InvalidInputError, match="distinct"):
             executor.wait([1, 1])
+
+
+STAGING_EXECUTORS = [
+    "torch-on-cpu",
+    pytest.param("torch", marks=pytest.mark.gpu),
+    pytest.param("cupy", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("name", STAGING_EXECUTORS)
+@pytest.mark.parametrize("case", ["hybrid_three_groups", "mamba_padded", "kv_split"])
+def test_a_staging_buffer_of_one_row_round_trips_in_many_batches(name: str, case: str) -> None:
+    probe = _model(name, case, 3)
+    row_bytes = probe.executor.layout.row_bytes
+    probe.executor.close()
+    model = _model(name, case, 3, staging_bytes=row_bytes)
+    groups = len(LAYOUT_CASES[case])
+    try:
+        _round_trip(model, seed=13, skip=2, tail=1, chunks=[3] * groups)
+    finally:
+        model.executor.close()
