@@ -109,7 +109,8 @@ class CupyExecutor(Executor):
     """Moves bytes with one descriptor-driven copy kernel plus DMAs.
 
     `CopyPath.STAGED` (default): the kernel gathers pages into a GPU staging buffer laid out as
-    CPU rows, then one `cudaMemcpyAsync` per contiguous CPU range (loads: the reverse).
+    CPU rows, then one `cudaMemcpyAsync` per contiguous CPU range (loads: the reverse); two
+    staging halves and a link and a work stream per direction overlap the kernel and the DMAs.
     `CopyPath.ZERO_COPY`: the kernel reads or writes the pinned tier directly (UVA), on
     `zero_copy_blocks` thread blocks. `copy_path` may be a function choosing per transfer.
     """

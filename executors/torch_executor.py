@@ -1,7 +1,8 @@
 """The `torch` executor: CUDA streams and events through torch; staged copies at link speed.
 
 Imports torch only when built (the `torch` extra). It never decides what to move, never syncs
-the engine's compute stream from the host, and never allocates more staging than it was given.
+the engine's compute stream from the host, and never allocates more staging than it was given
+(or two rows, when a row is larger than half of it).
 """
 
 from __future__ import annotations

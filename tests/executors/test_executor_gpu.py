@@ -145,3 +145,22 @@ def test_the_host_tier_is_pinned(name: str) -> None:
     with model.executor as executor:
         assert executor.host_tier.pinned
         assert _torch().from_numpy(executor.host_tier.array).is_pinned()
+
+
+@pytest.mark.parametrize("name", GPU_EXECUTORS)
+def test_a_store_waits_on_the_compute_stream_given_at_construction(name: str) -> None:
+    torch = _torch()
+    side = torch.cuda.Stream()
+    model = _model(name, compute_stream=side)
+    with model.executor as executor:
+        model.fill_random(np.random.default_rng(4))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for group in model.buffers:
+                for buffer in group:
+                    buffer.fill_(0x3C)
+        executor.submit(bound_plan(1, Direction.STORE, 3, _moves()))
+        (result,) = executor.wait([1])
+        assert result.success
+        mirror = executor.host_tier.mirror(executor.layout, 2, 1)
+        assert (mirror[9] == 0x3C).all()
