@@ -19,8 +19,11 @@ from kvferry.executors.tensors import KVTensor
 class CpuExecutor(Executor):
     """Copies with `ctypes.memmove`, one call per merged descriptor; "GPU" tensors are host arrays.
 
-    memmove over merged descriptors is both the simplest and, at page sizes of 4 KiB and up,
-    within a few percent of numpy fancy indexing; it handles every page size and alignment.
+    memmove over merged descriptors is the simplest: one code path for every layout, page size
+    and alignment, on the same integer addresses the GPU executors use. Per-ref numpy fancy
+    indexing was measured too (64 MiB stores, 32 refs, a development CPU): 20.8 ms against
+    memmove's 22.8 ms at 4 KiB pages, 6.2 against 9.4 ms at 64 KiB — not worth a second code path
+    in the reference, whose job is to be obviously right.
     """
 
     name = "cpu"

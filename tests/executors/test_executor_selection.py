@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvferry.core.errors import ExecutorUnavailableError, UnknownExecutorError
+from kvferry.core.errors import ExecutorUnavailableError, InvalidInputError, UnknownExecutorError
 from kvferry.core.layout import TensorLayout
 from kvferry.executors import (
     BUILTIN_EXECUTORS,
@@ -79,3 +79,19 @@ def test_importing_the_executors_package_imports_no_gpu_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_torch_executor_without_a_cuda_device_says_so() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    tensor = torch.zeros((8, 64), dtype=torch.uint8)
+    kv = [[KVTensor(tensor=tensor, layout=TensorLayout.MLA)]]
+    with pytest.raises(ExecutorUnavailableError, match="CUDA device"):
+        make_executor("torch", kv_caches=kv, blocks_per_chunk=1, num_rows=2)
+
+
+def test_an_entry_that_is_not_a_kv_tensor_is_refused_naming_its_group() -> None:
+    kv = [[KVTensor(tensor=np.zeros((8, 64), np.uint8), layout=TensorLayout.MLA)], [object()]]
+    with pytest.raises(InvalidInputError, match="group 1"):
+        make_executor("cpu", kv_caches=kv, blocks_per_chunk=1, num_rows=2)
