@@ -163,13 +163,19 @@ class CupyExecutor(Executor):
         return CupyRegistrar(self._cupy)
 
     def _as_stream(self, stream: Any) -> Any:
-        """Return `stream` as a CuPy stream: None, a CuPy stream, a raw handle or a torch stream."""
-        if stream is None or isinstance(
-            stream, self._cupy.cuda.Stream | self._cupy.cuda.ExternalStream
-        ):
+        """Return `stream` as a CuPy stream: None, a CuPy stream, a raw handle or a torch stream.
+
+        Objects that speak the CUDA stream protocol (`__cuda_stream__`) go through
+        `Stream.from_external` where CuPy has it; others are wrapped by their raw handle.
+        """
+        cuda = self._cupy.cuda
+        if stream is None or isinstance(stream, cuda.Stream | cuda.ExternalStream):
             return stream
+        from_external = getattr(cuda.Stream, "from_external", None)
+        if from_external is not None and hasattr(stream, "__cuda_stream__"):
+            return from_external(stream)
         handle = getattr(stream, "cuda_stream", stream)
-        return self._cupy.cuda.ExternalStream(int(handle))
+        return cuda.ExternalStream(int(handle))
 
     def choose_path(self, pages: PageCopies) -> CopyPath:
         """Return the copy path for one transfer (the configured one, or what its function says)."""

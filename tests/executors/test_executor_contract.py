@@ -228,3 +228,13 @@ def test_a_staging_buffer_of_one_row_round_trips_in_many_batches(name: str, case
         _round_trip(model, seed=13, skip=2, tail=1, chunks=[3] * groups)
     finally:
         model.executor.close()
+
+
+@pytest.mark.parametrize("name", EXECUTORS)
+def test_a_plan_that_moves_nothing_completes_with_zero_bytes(name: str) -> None:
+    model = _model(name)
+    empty = GroupMove(ids=(), first=0, rows=())
+    with model.executor as executor:
+        executor.submit(bound_plan(1, Direction.LOAD, 3, [empty, empty, empty]))
+        (result,) = executor.wait([1])
+        assert result.success and result.nbytes == 0
