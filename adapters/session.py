@@ -244,6 +244,7 @@ class OffloadSession:
             block_hashes,
             num_prompt_tokens=num_tokens if num_prompt_tokens is None else num_prompt_tokens,
             store_loaded=store_loaded,
+            call="lookup",
         )
         return lookup(
             self._config,
@@ -297,70 +298,90 @@ class OffloadSession:
         """Return this step's store jobs for the running `requests` (rows reserved, keys
         writing), and the requests that found no room.
 
-        Call it every step after scheduling, for every running request; a request first seen
-        here needs `num_prompt_tokens`.
+        Call it every step after scheduling, for every running request. When a request is
+        refused (finished, or inputs the planner rejects), the error is raised after the
+        step's reservations and cursor moves are undone (keys evicted for them stay evicted).
         """
         jobs: list[BoundPlan] = []
         no_room: list[str] = []
-        config, tier = self._config, self._store_tier
-        chunk_sizes = self._chunk_sizes
-        for running in requests:
-            rid = running.request_id
-            request = self._known(
-                rid,
-                running.block_hashes,
-                num_prompt_tokens=(
-                    running.num_tokens
-                    if running.num_prompt_tokens is None
-                    else running.num_prompt_tokens
-                ),
-                store_loaded=False,
-            )
-            if request.finished:
-                raise self._finished_error(rid, "start_stores")
-            done = min(
-                running.num_computed_tokens + running.num_scheduled_tokens, running.num_tokens
-            )
-            cursors = request.state.store_cursor
-            if all(
-                done // size <= cursor for size, cursor in zip(chunk_sizes, cursors, strict=True)
-            ):
-                continue  # no chunk completes this step: the planner would answer NOTHING
-            tier.asked = ()
-            decision = plan_store(
-                config,
-                request.state,
-                running.blocks,
-                num_computed_tokens=running.num_computed_tokens,
-                num_scheduled_tokens=running.num_scheduled_tokens,
-                num_tokens=running.num_tokens,
-                tier=tier,
-            )
-            if decision.outcome is StoreOutcome.NO_ROOM:
-                no_room.append(rid)
-            elif decision.plan is not None:
-                asked = tier.asked
-                reservation = self._catalog.reserve(
-                    asked, positions=self._positions(request.state, asked), request=rid
-                )
-                if reservation is None or reservation.keys != decision.plan.keys:
-                    raise PlanInvariantError(
-                        request=rid,
-                        field="keys",
-                        expected="a reservation of exactly the store plan's keys",
-                        got=None if reservation is None else reservation.keys,
-                    )
-                job = self._new_job(rid, request, Direction.STORE, reservation.keys)
-                jobs.append(
-                    BoundPlan(
-                        job_id=job.job_id,
-                        plan=decision.plan,
-                        cpu_rows=reservation.rows,
-                        layout_fingerprint=self._fingerprint,
-                    )
-                )
-            request.state = decision.state
+        undo: list[tuple[_Request, RequestState, int]] = []
+        created: list[str] = []
+        try:
+            for running in requests:
+                request = self._requests.get(running.request_id)
+                if request is None:
+                    created.append(running.request_id)
+                else:
+                    undo.append((request, request.state, request.num_hashes))
+                self._store_one(running, jobs, no_room)
+        except BaseException:
+            for job in jobs:
+                self._catalog.complete_store(self._jobs[job.job_id].keys, success=False)
+                self._forget_job(job.job_id)
+            for request, state, num_hashes in reversed(undo):
+                request.state, request.num_hashes = state, num_hashes
+            for rid in created:
+                self._requests.pop(rid, None)
+            raise
         return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room))
+
+    def _store_one(
+        self, running: RunningRequest, jobs: list[BoundPlan], no_room: list[str]
+    ) -> None:
+        """Plan and bind the store of one running request (appending to `jobs`/`no_room`)."""
+        rid = running.request_id
+        request = self._known(
+            rid,
+            running.block_hashes,
+            num_prompt_tokens=(
+                running.num_tokens
+                if running.num_prompt_tokens is None
+                else running.num_prompt_tokens
+            ),
+            store_loaded=False,
+            call="start_stores",
+        )
+        done = min(running.num_computed_tokens + running.num_scheduled_tokens, running.num_tokens)
+        cursors = request.state.store_cursor
+        if all(
+            done // size <= cursor for size, cursor in zip(self._chunk_sizes, cursors, strict=True)
+        ):
+            return  # no chunk completes this step: the planner would answer NOTHING
+        tier = self._store_tier
+        tier.asked = ()
+        decision = plan_store(
+            self._config,
+            request.state,
+            running.blocks,
+            num_computed_tokens=running.num_computed_tokens,
+            num_scheduled_tokens=running.num_scheduled_tokens,
+            num_tokens=running.num_tokens,
+            tier=tier,
+        )
+        if decision.outcome is StoreOutcome.NO_ROOM:
+            no_room.append(rid)
+        elif decision.plan is not None:
+            asked = tier.asked
+            reservation = self._catalog.reserve(
+                asked, positions=self._positions(request.state, asked), request=rid
+            )
+            if reservation is None or reservation.keys != decision.plan.keys:
+                raise PlanInvariantError(
+                    request=rid,
+                    field="keys",
+                    expected="a reservation of exactly the store plan's keys",
+                    got=None if reservation is None else reservation.keys,
+                )
+            job = self._new_job(rid, request, Direction.STORE, reservation.keys)
+            jobs.append(
+                BoundPlan(
+                    job_id=job.job_id,
+                    plan=decision.plan,
+                    cpu_rows=reservation.rows,
+                    layout_fingerprint=self._fingerprint,
+                )
+            )
+        request.state = decision.state
 
     def report(self, worker: int, results: Iterable[JobResult]) -> CompletionReport:
         """Record `worker`'s results; return what completed (every worker reported) and what
@@ -383,6 +404,8 @@ class OffloadSession:
         live = []
         seen: set[int] = set()
         for result in results:
+            if not isinstance(result, JobResult):
+                raise InvalidInputError(field="results", expected="JobResult values", got=result)
             job_id = result.job_id
             if job_id < self._first_live_job:
                 continue
@@ -467,6 +490,7 @@ class OffloadSession:
         *,
         num_prompt_tokens: int,
         store_loaded: bool,
+        call: str,
     ) -> _Request:
         request = self._requests.get(request_id)
         if request is None:
@@ -484,7 +508,7 @@ class OffloadSession:
             )
             return request
         if request.finished:
-            raise self._finished_error(request_id, "lookup")
+            raise self._finished_error(request_id, call)
         if len(block_hashes) != request.num_hashes:
             request.state = extend_keys(self._config, request.state, block_hashes)
             request.num_hashes = len(block_hashes)
@@ -532,6 +556,10 @@ class OffloadSession:
             return frozenset()
         request.fence = (request.fence or set()) | request.jobs
         return frozenset(request.fence)
+
+    def _forget_job(self, job_id: int) -> None:
+        job = self._jobs.pop(job_id)
+        self._requests[job.request_id].jobs.discard(job_id)
 
     def _complete(self, job: _Job, released: list[str]) -> RecomputeRange | None:
         del self._jobs[job.job_id]

@@ -522,3 +522,25 @@ def test_a_step_that_completes_no_chunk_leaves_the_store_cursor_alone() -> None:
     session.start_stores([step("r1", [10, 11], computed=0, scheduled=8)])
     session.start_stores([step("r1", [10, 11, 12], computed=8, scheduled=3)])
     assert session.request_state("r1").store_cursor == (2,)  # type: ignore[union-attr]
+
+
+def test_a_refused_request_undoes_the_reservations_of_its_step() -> None:
+    session, _ = make()
+    session.start_stores([step("r2", [20], computed=0, scheduled=4, hashes=prefix_hashes(1, 2))])
+    session.finish("r2")
+    with pytest.raises(InvalidInputError, match="finished"):
+        session.start_stores(
+            [
+                step("r1", [10, 11], computed=0, scheduled=8),
+                step("r2", [20, 21], computed=4, scheduled=4, hashes=prefix_hashes(2, 2)),
+            ]
+        )
+    assert session.catalog.statuses([key(0), key(1)]) == [KeyStatus.MISS] * 2
+    assert session.request_state("r1") is None
+    assert session.in_flight() == frozenset({1})
+
+
+def test_a_report_of_something_other_than_job_results_is_refused() -> None:
+    session, _ = make()
+    with pytest.raises(InvalidInputError, match="JobResult"):
+        session.report(0, [{"job_id": 1}])  # type: ignore[list-item]
