@@ -28,7 +28,8 @@ def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: 
 
 
 def rows_for_budget(budget_bytes: int, bytes_per_row: int) -> int:
-    """Return how many whole CPU rows of `bytes_per_row` bytes fit in `budget_bytes` bytes."""
+    """Return how many whole CPU rows of `bytes_per_row` bytes (a `KVLayout.row_bytes`) fit in
+    `budget_bytes` bytes."""
     for field, value, low in (
         ("budget_bytes", budget_bytes, 0),
         ("bytes_per_row", bytes_per_row, 1),
