@@ -313,6 +313,7 @@ class Catalog:
         """Finish the store of `keys` (all writing): success makes them ready, failure forgets
         them and frees their rows. Raise PlanInvariantError, changing nothing, when a key is
         not writing."""
+        keys = list(dict.fromkeys(keys))
         writing = self._writing
         for key in keys:
             if key not in writing:

@@ -393,3 +393,10 @@ def test_statuses_answer_every_key_of_a_long_request() -> None:
 
 def test_the_default_policy_is_lru() -> None:
     assert CatalogConfig(capacity_rows=1).policy is EvictionPolicyKind.LRU
+
+
+def test_completing_a_store_that_names_a_key_twice_completes_it_once() -> None:
+    cat = catalog(2)
+    cat.reserve([k(1)])
+    cat.complete_store([k(1), k(1)], success=False)
+    assert cat.rows_used == 0
