@@ -22,7 +22,14 @@ from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction, TransferPlan
 from kvferry.core.state import RequestState, extend_keys, new_request_state
-from kvferry.core.store import StoreDecision, StoreOutcome, StoreTierView, plan_store
+from kvferry.core.store import (
+    StoreDecision,
+    StoreOutcome,
+    StoreTierView,
+    plan_store,
+    store_due,
+    stored_tokens_after_step,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -53,4 +60,6 @@ __all__ = [
     "plan_load",
     "plan_store",
     "plan_to_json",
+    "store_due",
+    "stored_tokens_after_step",
 ]

@@ -75,6 +75,9 @@ class OffloadConfig:
     store_decoded_tokens: bool = True
     """Store chunks of generated tokens too (pays off in multi-turn chat), or the prompt's only."""
 
+    _chunk_tokens: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
+    """`C_g` per group, computed once (hot paths read it every step)."""
+
     def __attrs_post_init__(self) -> None:
         if not self.groups:
             raise InvalidInputError(field="groups", expected="at least one group", got=self.groups)
@@ -90,6 +93,8 @@ class OffloadConfig:
                     expected=f"a multiple of hash_block_size={self.hash_block_size}",
                     got=group.block_size,
                 )
+        chunk_tokens = tuple(self.blocks_per_chunk * g.block_size for g in self.groups)
+        object.__setattr__(self, "_chunk_tokens", chunk_tokens)
 
     @property
     def num_groups(self) -> int:
@@ -98,7 +103,12 @@ class OffloadConfig:
 
     def chunk_tokens(self, group: int) -> int:
         """Return `C_g`, the tokens in one chunk of `group` (`F * T_g`)."""
-        return self.blocks_per_chunk * self.groups[group].block_size
+        return self._chunk_tokens[group]
+
+    @property
+    def all_chunk_tokens(self) -> tuple[int, ...]:
+        """Return `C_g` of every group, in group order."""
+        return self._chunk_tokens
 
     def hashes_per_chunk(self, group: int) -> int:
         """Return how many hash blocks one chunk of `group` spans."""

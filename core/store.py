@@ -84,6 +84,33 @@ def _candidate_chunks(
     return cursor + np.flatnonzero(~has_null), end
 
 
+def stored_tokens_after_step(
+    config: OffloadConfig,
+    state: RequestState,
+    *,
+    num_computed_tokens: int,
+    num_scheduled_tokens: int,
+    num_tokens: int,
+) -> int:
+    """Return `done`: the tokens whose KV exists once this step's forward pass ends and that
+    may be stored (capped at the prompt when decoded tokens are not stored)."""
+    limit = num_tokens if config.store_decoded_tokens else min(num_tokens, state.num_prompt_tokens)
+    return min(num_computed_tokens + num_scheduled_tokens, limit)
+
+
+def store_due(config: OffloadConfig, state: RequestState, done: int) -> bool:
+    """Return True when some group may complete a chunk past its store cursor by `done` tokens.
+
+    A cheap test (no block table, no tier) for the many decode steps that complete nothing:
+    `plan_store` answers NOTHING, with the state unchanged, whenever this is False, so a caller
+    planning many requests per step may skip those.
+    """
+    return any(
+        done // chunk > cursor
+        for chunk, cursor in zip(config.all_chunk_tokens, state.store_cursor, strict=True)
+    )
+
+
 def plan_store(
     config: OffloadConfig,
     state: RequestState,
@@ -111,8 +138,15 @@ def plan_store(
             expected="non-negative integers",
             got=(num_computed_tokens, num_scheduled_tokens, num_tokens),
         )
-    limit = num_tokens if config.store_decoded_tokens else min(num_tokens, state.num_prompt_tokens)
-    done = min(num_computed_tokens + num_scheduled_tokens, limit)
+    done = stored_tokens_after_step(
+        config,
+        state,
+        num_computed_tokens=num_computed_tokens,
+        num_scheduled_tokens=num_scheduled_tokens,
+        num_tokens=num_tokens,
+    )
+    if not store_due(config, state, done):
+        return StoreDecision(outcome=StoreOutcome.NOTHING, plan=None, state=state)
     per_group = [
         _candidate_chunks(config, state, g, blocks[g], done) for g in range(config.num_groups)
     ]

@@ -1,0 +1,271 @@
+"""Planner speed on the CPU: lookup + load plan of one long request, store planning per step.
+
+A benchmark, not a test: it prints a table and one PASS/FAIL line per target of the speed
+issue, and writes its raw numbers as JSON (and a PNG when matplotlib is installed).
+
+    python benchmarks/planner.py [--json out.json] [--png out.png] [--repeat 200]
+
+Targets (CPU of the machine it runs on):
+  * lookup + load plan of a 131 072-token request with three groups (full attention, block 16;
+    sliding window of 128 tokens, block 16; Mamba, block 16), every chunk in the tier: <= 1 ms;
+  * store planning for 256 running decode requests: <= 0.5 ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvferry.core import (
+    GroupBlocks,
+    GroupKind,
+    GroupSpec,
+    OffloadConfig,
+    RequestState,
+    StoreOutcome,
+    extend_keys,
+    lookup,
+    new_request_state,
+    plan_load,
+    plan_store,
+    store_due,
+    stored_tokens_after_step,
+)
+from kvferry.core.catalog import Catalog, CatalogConfig
+
+LOOKUP_TARGET_MS = 1.0
+STORE_STEP_TARGET_MS = 0.5
+BLOCK = 16
+WINDOW = 128
+
+
+def _config(blocks_per_chunk: int) -> OffloadConfig:
+    return OffloadConfig(
+        hash_block_size=BLOCK,
+        blocks_per_chunk=blocks_per_chunk,
+        groups=(
+            GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=BLOCK),
+            GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=BLOCK, sliding_window=WINDOW),
+            GroupSpec(kind=GroupKind.MAMBA, block_size=BLOCK),
+        ),
+    )
+
+
+def _hashes(request: int, count: int) -> list[bytes]:
+    return [(request << 40 | i).to_bytes(8, "big") for i in range(count)]
+
+
+def _median_ms(run: Callable[[], object], repeat: int) -> float:
+    run()  # warm caches and lazy imports
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def _engine_blocks(num_tokens: int, cached: int) -> list[GroupBlocks]:
+    """Block tables an engine would hold after allocating for a `cached`-token hit."""
+    n = -(-num_tokens // BLOCK)
+    full = GroupBlocks.of(np.arange(1, n + 1))
+    window_first = max(cached - WINDOW, 0) // BLOCK
+    window = GroupBlocks(
+        ids=np.where(np.arange(n) >= window_first, np.arange(n) + 100_000, 0),
+        is_null=np.arange(n) < window_first,
+        is_cached=np.zeros(n, dtype=bool),
+    )
+    state_block = -(-cached // BLOCK) - 1
+    mamba = GroupBlocks(
+        ids=np.where(np.arange(n) >= state_block, np.arange(n) + 200_000, 0),
+        is_null=np.arange(n) < state_block,
+        is_cached=np.zeros(n, dtype=bool),
+    )
+    return [full, window, mamba]
+
+
+def bench_lookup_and_load(blocks_per_chunk: int, repeat: int) -> dict[str, Any]:
+    """Return timings of lookup + plan_load for one 131 072-token request fully in the tier."""
+    num_tokens = 131_072
+    config = _config(blocks_per_chunk)
+    state = new_request_state(
+        config, "long", num_prompt_tokens=num_tokens, block_hashes=_hashes(1, num_tokens // BLOCK)
+    )
+    keys = [key for group_keys in state.keys for key in group_keys]
+    catalog = Catalog(CatalogConfig(capacity_rows=len(keys)))
+    catalog.complete_store(catalog.reserve(keys).keys, success=True)
+    view = catalog.view()
+    hit = lookup(config, state, num_tokens=num_tokens, num_computed_tokens=0, tier=view)
+    blocks = _engine_blocks(num_tokens, hit.tokens)
+
+    def lookup_and_load() -> object:
+        found = lookup(config, state, num_tokens=num_tokens, num_computed_tokens=0, tier=view)
+        return plan_load(config, state, blocks, num_computed_tokens=0, hit_tokens=found.tokens)
+
+    plan, _ = lookup_and_load()  # type: ignore[misc]
+    return {
+        "blocks_per_chunk": blocks_per_chunk,
+        "keys": len(keys),
+        "hit_tokens": hit.tokens,
+        "plan_blocks": list(plan.group_sizes),
+        "lookup_ms": _median_ms(
+            lambda: lookup(config, state, num_tokens=num_tokens, num_computed_tokens=0, tier=view),
+            repeat,
+        ),
+        "lookup_and_load_ms": _median_ms(lookup_and_load, repeat),
+        "block_tables_ms": _median_ms(lambda: _engine_blocks(num_tokens, hit.tokens), repeat),
+    }
+
+
+def bench_store_steps(blocks_per_chunk: int, steps: int) -> dict[str, Any]:
+    """Return per-step timings of store planning for 256 decode requests over `steps` steps.
+
+    Prompts are 2 048 + r tokens long (request r), so chunk completions are spread over the
+    steps as in a real batch. Per request and step: keys extended when a hash block completes,
+    `store_due`, and `plan_store` for the requests that are due.
+    """
+    config = _config(blocks_per_chunk)
+    num_requests = 256
+    prompts = [2048 + r for r in range(num_requests)]
+    catalog = Catalog(CatalogConfig(capacity_rows=num_requests * (steps + 2048 // BLOCK)))
+    view = catalog.view()
+    blocks: list[list[GroupBlocks]] = []
+    hashes: list[list[bytes]] = []
+    states: list[RequestState] = []
+    for r, prompt in enumerate(prompts):
+        total_blocks = -(-(prompt + steps) // BLOCK) + 1
+        blocks.append([GroupBlocks.of(np.arange(total_blocks) + 1) for _ in range(3)])
+        hashes.append(_hashes(r + 2, (prompt + steps) // BLOCK))
+        state = new_request_state(
+            config, f"r{r}", num_prompt_tokens=prompt, block_hashes=hashes[r][: prompt // BLOCK]
+        )
+        prefill = plan_store(
+            config,
+            state,
+            blocks[r],
+            num_computed_tokens=0,
+            num_scheduled_tokens=prompt,
+            num_tokens=prompt,
+            tier=view,
+        )
+        states.append(prefill.state)
+    step_ms: list[float] = []
+    stored = 0
+    for step in range(steps):
+        start = time.perf_counter()
+        for r, prompt in enumerate(prompts):
+            num_tokens = prompt + step + 1
+            state = states[r]
+            if num_tokens % BLOCK == 0:  # a hash block completed: the engine hashed it
+                state = extend_keys(config, state, hashes[r][: num_tokens // BLOCK])
+            done = stored_tokens_after_step(
+                config,
+                state,
+                num_computed_tokens=num_tokens - 1,
+                num_scheduled_tokens=1,
+                num_tokens=num_tokens,
+            )
+            if store_due(config, state, done):  # a caller skips the idle requests
+                decision = plan_store(
+                    config,
+                    state,
+                    blocks[r],
+                    num_computed_tokens=num_tokens - 1,
+                    num_scheduled_tokens=1,
+                    num_tokens=num_tokens,
+                    tier=view,
+                )
+                stored += decision.outcome is StoreOutcome.STORE
+                state = decision.state
+            states[r] = state
+        step_ms.append((time.perf_counter() - start) * 1e3)
+    return {
+        "blocks_per_chunk": blocks_per_chunk,
+        "requests": num_requests,
+        "steps": steps,
+        "store_plans": stored,
+        "step_ms_median": statistics.median(step_ms),
+        "step_ms_mean": statistics.fmean(step_ms),
+        "step_ms_max": max(step_ms),
+    }
+
+
+def _plot(results: dict[str, Any], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot written (pip install matplotlib)"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, rows, key, target, title in (
+        (axes[0], results["lookup"], "lookup_and_load_ms", LOOKUP_TARGET_MS, "lookup + load"),
+        (axes[1], results["store"], "step_ms_mean", STORE_STEP_TARGET_MS, "store step (256)"),
+    ):
+        ax.bar([f"F={row['blocks_per_chunk']}" for row in rows], [row[key] for row in rows])
+        ax.axhline(target, color="red", linestyle="--", label=f"target {target} ms")
+        ax.set_title(title)
+        ax.set_ylabel("ms")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return f"plot written to {path}"
+
+
+def main() -> int:
+    """Run the planner benchmarks; print the table and the PASS/FAIL lines; return 0."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--png", type=Path, default=None)
+    args = parser.parse_args()
+
+    results: dict[str, Any] = {
+        "machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}",
+        "lookup": [bench_lookup_and_load(f, args.repeat) for f in (1, 4, 16)],
+        "store": [bench_store_steps(f, args.steps) for f in (1, 4, 16)],
+    }
+    print(f"planner benchmark on {results['machine']}")
+    print(f"{'F':>3} {'keys':>7} {'hit':>7} {'lookup ms':>10} {'+load ms':>9} {'tables ms':>10}")
+    for row in results["lookup"]:
+        print(
+            f"{row['blocks_per_chunk']:>3} {row['keys']:>7} {row['hit_tokens']:>7} "
+            f"{row['lookup_ms']:>10.3f} {row['lookup_and_load_ms']:>9.3f} "
+            f"{row['block_tables_ms']:>10.3f}"
+        )
+    print(
+        f"{'F':>3} {'requests':>8} {'steps':>6} {'plans':>6} {'mean ms':>8} {'median ms':>10} {'max ms':>8}"
+    )
+    for row in results["store"]:
+        print(
+            f"{row['blocks_per_chunk']:>3} {row['requests']:>8} {row['steps']:>6} "
+            f"{row['store_plans']:>6} {row['step_ms_mean']:>8.3f} {row['step_ms_median']:>10.3f} "
+            f"{row['step_ms_max']:>8.3f}"
+        )
+    worst_lookup = max(row["lookup_and_load_ms"] for row in results["lookup"])
+    worst_store = max(row["step_ms_mean"] for row in results["store"])
+    for label, value, target in (
+        ("lookup + load plan, 131072 tokens, 3 groups", worst_lookup, LOOKUP_TARGET_MS),
+        ("store planning, 256 decode requests, mean per step", worst_store, STORE_STEP_TARGET_MS),
+    ):
+        verdict = "PASS" if value <= target else "FAIL"
+        print(f"{verdict}: {label}: {value:.3f} ms (target <= {target} ms, worst F)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    if args.png:
+        print(_plot(results, args.png))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
