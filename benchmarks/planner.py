@@ -244,7 +244,8 @@ def main() -> int:
             f"{row['block_tables_ms']:>10.3f}"
         )
     print(
-        f"{'F':>3} {'requests':>8} {'steps':>6} {'plans':>6} {'mean ms':>8} {'median ms':>10} {'max ms':>8}"
+        f"{'F':>3} {'requests':>8} {'steps':>6} {'plans':>6} {'mean ms':>8} {'median ms':>10} "
+        f"{'max ms':>8}"
     )
     for row in results["store"]:
         print(
