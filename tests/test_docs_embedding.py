@@ -1,19 +1,45 @@
-"""The engine loop of docs/embedding.md runs as written and prints what its last line says."""
+"""The docs pages outside the README that show runnable content: the engine loop of
+docs/embedding.md runs as written, and the worked examples of docs/semantics.md quote their
+golden files exactly."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "embedding.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+GOLDEN = ROOT / "tests" / "golden"
 
 
 def test_embedding_engine_loop_prints_its_commented_result() -> None:
-    (example,) = re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
+    page = DOCS / "embedding.md"
+    (example,) = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
     promised = example.strip().splitlines()[-1].split("#", 1)[1].strip()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(example, str(DOC), "exec"), {"__name__": "docs_embedding"})
+        exec(compile(example, str(page), "exec"), {"__name__": "docs_embedding"})
     assert out.getvalue().strip() == promised
+
+
+def _worked_examples() -> list[tuple[str, str, str, str]]:
+    text = (DOCS / "semantics.md").read_text(encoding="utf-8").split("## Worked examples", 1)[1]
+    pattern = (
+        r"Golden `(\w+)`:\n\n> (.*?)\n\n"
+        r"Inputs:\n\n```json\n(.*?)```\n\nOutput:\n\n```json\n(.*?)```"
+    )
+    return re.findall(pattern, text, re.S)
+
+
+def test_semantics_worked_examples_quote_their_golden_files() -> None:
+    examples = _worked_examples()
+    assert len(examples) >= 6
+    for name, description, inputs, output in examples:
+        scenario = json.loads((GOLDEN / f"{name}.scenario.json").read_text(encoding="utf-8"))
+        expected = json.loads((GOLDEN / f"{name}.expected.json").read_text(encoding="utf-8"))
+        assert description == scenario.pop("description"), name
+        assert json.loads(inputs) == scenario, name
+        assert json.loads(output) == expected["steps"], name
