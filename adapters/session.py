@@ -20,7 +20,7 @@ from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
 from kvferry.core.state import RequestState, extend_keys, new_request_state
-from kvferry.core.store import StoreOutcome, plan_store
+from kvferry.core.store import StoreOutcome, plan_store, store_due, stored_tokens_after_step
 
 
 def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -172,7 +172,6 @@ class OffloadSession:
         self._catalog = catalog
         self._world_size = world_size
         self._fingerprint = layout_fingerprint
-        self._chunk_sizes = tuple(config.chunk_tokens(g) for g in range(config.num_groups))
         self._lookup_view = catalog.view(pinned_as_pending=True)
         self._store_tier = _RecordingTier(catalog)
         self._requests: dict[str, _Request] = {}
@@ -341,11 +340,14 @@ class OffloadSession:
             store_loaded=False,
             call="start_stores",
         )
-        done = min(running.num_computed_tokens + running.num_scheduled_tokens, running.num_tokens)
-        cursors = request.state.store_cursor
-        if all(
-            done // size <= cursor for size, cursor in zip(self._chunk_sizes, cursors, strict=True)
-        ):
+        done = stored_tokens_after_step(
+            self._config,
+            request.state,
+            num_computed_tokens=running.num_computed_tokens,
+            num_scheduled_tokens=running.num_scheduled_tokens,
+            num_tokens=running.num_tokens,
+        )
+        if not store_due(self._config, request.state, done):
             return  # no chunk completes this step: the planner would answer NOTHING
         tier = self._store_tier
         tier.asked = ()
