@@ -337,3 +337,54 @@ def test_load_with_nothing_to_move_reports_the_request_loaded() -> None:
     meta, output = engine.step(scheduler_output())
     assert decode_jobs(meta.jobs) == ()
     assert output.finished_recving == {"b"}
+
+
+def test_load_of_chunks_gone_since_lookup_reports_a_recompute_range() -> None:
+    engine = Engine(FullAttentionSpec(4))
+    store_prompt(engine, Request("a", 16, 16, hashes(4)), [[1, 2, 3, 4]])
+    b = Request("b", 20, 20, hashes(5))
+    tokens, _ = engine.scheduler.get_num_new_matched_tokens(b, 0)
+    engine.scheduler.session.catalog.reset()  # the tier lost the chunks after the lookup
+
+    engine.scheduler.update_state_after_alloc(b, kv_blocks([5, 6, 7, 8, 9]), tokens)
+    meta, output = engine.step(scheduler_output())
+    assert decode_jobs(meta.jobs) == ()
+    assert output.finished_recving == {"b"}
+    assert [(r.request_id, r.start, r.stop) for r in output.recompute] == [("b", 0, 16)]
+
+
+def test_job_completes_only_when_every_worker_reported_it() -> None:
+    engine = Engine(FullAttentionSpec(4))
+    session = OffloadSession(
+        engine.scheduler.session.config,
+        Catalog(CatalogConfig(capacity_rows=32)),
+        world_size=2,
+        layout_fingerprint=engine.worker.executor.layout.fingerprint,
+    )
+    scheduler = KvferryConnectorScheduler(session)
+    second = KvferryConnectorWorker(
+        make_executor(
+            "cpu",
+            kv_caches=[
+                [KVTensor(tensor=np.zeros((2, 64, 4, 8), np.uint8), layout=TensorLayout.KV_SPLIT)]
+            ],
+            blocks_per_chunk=1,
+            num_rows=32,
+        ),
+        rank=1,
+    )
+    a = Request("a", 16, 16, hashes(4))
+    scheduler.get_num_new_matched_tokens(a, 0)
+    scheduler.update_state_after_alloc(a, kv_blocks([1, 2, 3, 4]), 0)
+    meta = scheduler.build_connector_meta(
+        scheduler_output(new=[new_req("a", [[1, 2, 3, 4]])], scheduled={"a": 16})
+    )
+    scheduler.request_finished(a)
+    for worker in (engine.worker, second):
+        worker.bind_connector_metadata(meta)
+        worker.wait_for_save()
+
+    first_output = scheduler.update_connector_output([engine.worker.get_finished()])
+    assert first_output.finished_sending == frozenset()
+    second_output = scheduler.update_connector_output([second.get_finished()])
+    assert second_output.finished_sending == {"a"}
