@@ -92,6 +92,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     )
     def arrive(self, family: int, hash_blocks: int, shared: int, extra: int) -> None:
         if len(self.live("waiting", "loading", "running")) >= MAX_LIVE:
+            STEPS["idle (engine full)"] += 1
             self.deliver_all()  # a full engine waits for its workers
             return
         STEPS["arrive"] += 1
@@ -155,6 +156,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def finish_or_abort(self, data: st.DataObject, abort: int) -> None:
         done = [r for r in self.live("running") if r.computed == r.num_tokens]
         if not done and abort:
+            STEPS["idle (no abort)"] += 1
             return  # abort a request in a quarter of the calls; finish done ones always
         STEPS["finish" if done else "abort"] += 1
         request = data.draw(st.sampled_from(done or self.live("running", "loading", "waiting")))
@@ -171,6 +173,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(now=st.integers(0, 15))
     def reset(self, now: int) -> None:
         if now:  # rare: an engine resets its caches seldom
+            STEPS["idle (no reset)"] += 1
             return
         STEPS["reset"] += 1
         self.rig.reset()
@@ -228,8 +231,8 @@ def _machine_settings() -> settings:
     """Return the CI settings (< 60 s) or, under the `long` profile, >= 100 000 steps."""
     if settings.get_current_profile_name() == "long":
         return settings(
-            max_examples=3_000,
-            stateful_step_count=50,
+            max_examples=5_000,
+            stateful_step_count=60,
             deadline=None,
             suppress_health_check=list(HealthCheck),
         )
@@ -248,5 +251,6 @@ TestLifecycle.settings = _machine_settings()
 @pytest.fixture(scope="module", autouse=True)
 def _print_step_counts() -> object:
     yield
-    rules = sum(n for name, n in STEPS.items() if "delivered" not in name)
-    print(f"\nlifecycle fuzz: {rules} rule steps {dict(sorted(STEPS.items()))}")
+    steps = sum(n for name, n in STEPS.items() if "delivered" not in name)
+    idle = sum(n for name, n in STEPS.items() if name.startswith("idle"))
+    print(f"\nlifecycle fuzz: {steps} steps ({idle} idle) {dict(sorted(STEPS.items()))}")
