@@ -388,3 +388,36 @@ def test_job_completes_only_when_every_worker_reported_it() -> None:
     assert first_output.finished_sending == frozenset()
     second_output = scheduler.update_connector_output([second.get_finished()])
     assert second_output.finished_sending == {"a"}
+
+
+def test_chunked_prefill_stores_from_block_id_deltas_and_the_next_request_loads_them() -> None:
+    engine = Engine(FullAttentionSpec(4), SlidingWindowSpec(4, sliding_window=8))
+    a = Request("a", 32, 32, hashes(8))
+    engine.scheduler.get_num_new_matched_tokens(a, 0)
+    engine.scheduler.update_state_after_alloc(a, kv_blocks([1, 2, 3, 4], [21, 22, 23, 24]), 0)
+    engine.forward(0, [1, 2, 3, 4])
+    engine.forward(1, [21, 22, 23, 24])
+    first, _ = engine.step(
+        scheduler_output(new=[new_req("a", [[1, 2, 3, 4], [21, 22, 23, 24]])], scheduled={"a": 16})
+    )
+    engine.forward(0, [5, 6, 7, 8])
+    engine.forward(1, [25, 26, 27, 28])
+    second, _ = engine.step(
+        scheduler_output(cached=[("a", [[5, 6, 7, 8], [25, 26, 27, 28]], 16)], scheduled={"a": 16})
+    )
+    engine.scheduler.request_finished(a)
+    stores = [job for meta in (first, second) for job in decode_jobs(meta.jobs)]
+    assert [job.plan.gpu_block_ids.tolist() for job in stores] == [
+        [1, 2, 3, 4, 21, 22, 23, 24],
+        [5, 6, 7, 8, 25, 26, 27, 28],
+    ]
+
+    b = Request("b", 33, 33, hashes(8))
+    assert engine.scheduler.get_num_new_matched_tokens(b, 0) == (32, True)
+    engine.scheduler.update_state_after_alloc(
+        b, kv_blocks(range(31, 40), [0] * 6 + [46, 47, 48]), 32
+    )
+    _, output = engine.step(scheduler_output())
+    assert output.finished_recving == {"b"}
+    assert np.array_equal(engine.kv[0][:, range(31, 39)], engine.kv[0][:, range(1, 9)])
+    assert np.array_equal(engine.kv[1][:, [46, 47]], engine.kv[1][:, [27, 28]])
