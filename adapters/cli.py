@@ -1,6 +1,7 @@
-"""The `kvferry` command line: `kvferry plan SCENARIO.json` prints a scenario's plans.
+"""The `kvferry` command line: `plan` prints a scenario's plans, `demo` plays an engine serving a
+chat workload through kvferry, `bench` runs the benchmarks.
 
-Does the file I/O the core never does; holds no planning rule of its own.
+Does the file I/O and environment reading the core never does; holds no planning rule of its own.
 """
 
 from __future__ import annotations
@@ -9,11 +10,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvferry.core.canonical_json import dumps_canonical
 from kvferry.core.codec import parse_object
-from kvferry.core.errors import KvferryError
+from kvferry.core.errors import KvferryError, TransferFailedError
 from kvferry.core.scenario import run_scenario
+
+EXIT_FAILED = 1
+"""A run failed: a page did not verify, a transfer failed, a benchmark failed."""
+EXIT_INPUT = 2
+"""The command's input was wrong (arguments, configuration, files)."""
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -22,24 +29,132 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from kvferry.adapters.config import KvferryConfig
+    from kvferry.adapters.demo import DemoOptions, ProgressLine, run_demo
+    from kvferry.adapters.demo_profiles import ProfileName
+
+    config = KvferryConfig.load(args.config)
+    flags: dict[str, Any] = {
+        "executor": args.executor,
+        "cpu_tier_bytes": args.cpu_tier_bytes,
+        "eviction_policy": args.eviction_policy,
+        "blocks_per_chunk": args.blocks_per_chunk,
+    }
+    config = KvferryConfig.from_mapping(
+        {k: v for k, v in flags.items() if v is not None}, base=config
+    )
+    options = DemoOptions(
+        profile=ProfileName.from_name(args.profile),
+        requests=args.requests,
+        seed=args.seed,
+        config=config,
+    )
+    progress = None if args.no_progress else ProgressLine(sys.stderr)
+    try:
+        report = run_demo(options, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    sys.stdout.write(report.to_json() if args.json else report.to_table())
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvferry.adapters.bench import BenchStatus, run_benchmarks
+
+    outcomes = run_benchmarks(
+        benchmarks=Path(args.benchmarks),
+        out=Path(args.out),
+        which=args.only or ("transfer", "planner"),
+        extra=args.args,
+    )
+    for outcome in outcomes:
+        line = f"{outcome.name}: {outcome.status.value}"
+        if outcome.reason:
+            line += f" ({outcome.reason})"
+        for path in (outcome.json_path, outcome.plot_path):
+            if path is not None:
+                line += f"; wrote {path}"
+        print(line)
+    return EXIT_FAILED if any(o.status is BenchStatus.FAILED for o in outcomes) else 0
+
+
+def _nonnegative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("expected an integer >= 0")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("expected an integer >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the `kvferry` command."""
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
     plan = commands.add_parser("plan", help="print the plans of a planner scenario (JSON)")
     plan.add_argument("scenario", help="a scenario file, e.g. tests/golden/*.scenario.json")
     plan.set_defaults(run=_plan)
+
+    demo = commands.add_parser(
+        "demo",
+        help="play an engine serving multi-turn chats through kvferry; verify every loaded page",
+        description="Play a small inference engine serving a multi-turn chat workload with a GPU "
+        "block pool too small for it, offloading to and loading from the CPU tier through "
+        "kvferry; every page loaded is verified. Settings: defaults < --config file < "
+        "KVFERRY_* variables < flags.",
+    )
+    demo.add_argument("--profile", default="llama", help="llama (default), gpt-oss or jamba")
+    demo.add_argument("--requests", type=_positive, default=64, help="chat turns (default 64)")
+    demo.add_argument("--seed", type=_nonnegative, default=0, help="workload seed (default 0)")
+    demo.add_argument("--executor", help="cpu (default), torch or cupy")
+    demo.add_argument(
+        "--cpu-tier-bytes", help="CPU-tier budget, e.g. 256MiB (default: the profile's)"
+    )
+    demo.add_argument("--eviction-policy", help="lru (default), arc or tail_first")
+    demo.add_argument(
+        "--blocks-per-chunk", type=_positive, help="GPU blocks per chunk (default: the profile's)"
+    )
+    demo.add_argument("--config", help="a TOML file of settings (docs/configuration.md)")
+    demo.add_argument("--json", action="store_true", help="print the report as JSON")
+    demo.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser(
+        "bench", help="run benchmarks/transfer.py (GPU) and benchmarks/planner.py; plot them"
+    )
+    bench.add_argument("--benchmarks", default="benchmarks", help="the scripts' folder")
+    bench.add_argument("--out", default="bench-out", help="where JSON and PNG files go")
+    bench.add_argument(
+        "--only", action="append", choices=("transfer", "planner"), help="run only this one"
+    )
+    bench.add_argument("args", nargs="*", help="arguments for the scripts (after --)")
+    bench.set_defaults(run=_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `kvferry` command; return its exit status (2 on a kvferry input error)."""
+    """Run the `kvferry` command; return its exit status (1: a run failed, e.g. a page did not
+    verify; 2: bad input)."""
+    from kvferry.adapters.demo_engine import EngineStalledError
+    from kvferry.adapters.demo_verify import VerificationFailedError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
+    except (VerificationFailedError, TransferFailedError, EngineStalledError) as exc:
+        print(f"kvferry: FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except (KvferryError, OSError) as exc:
         print(f"kvferry: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
 
 
 if __name__ == "__main__":

@@ -1,0 +1,167 @@
+"""`kvferry bench`: runs the repository's benchmark scripts and plots what they measured.
+
+Starts the scripts as subprocesses and draws a PNG when matplotlib is importable; it never
+measures anything itself and never installs anything.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+
+
+class BenchStatus(enum.Enum):
+    """How one benchmark went."""
+
+    RAN = "ran"
+    """It ran and exited 0."""
+    FAILED = "failed"
+    """It ran and exited non-zero."""
+    SKIPPED = "skipped"
+    """It was not run (script absent, or its hardware missing)."""
+
+
+@attrs.frozen(kw_only=True)
+class BenchOutcome:
+    """What happened to one benchmark."""
+
+    name: str
+    """`transfer` or `planner`."""
+    status: BenchStatus
+    """Ran, failed or skipped."""
+    reason: str = ""
+    """Why it was skipped or failed."""
+    json_path: Path | None = None
+    """Its JSON results, when it wrote some."""
+    plot_path: Path | None = None
+    """The PNG drawn from them, when matplotlib was importable."""
+
+
+Runner = Callable[[Sequence[str]], int]
+"""Runs a command line; returns its exit status (tests replace it)."""
+
+
+def _run(command: Sequence[str]) -> int:
+    return subprocess.run(list(command), check=False).returncode
+
+
+def cuda_available() -> bool:
+    """Return True when torch is installed and sees a CUDA device (imports torch if present)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _help_mentions(script: Path, flag: str) -> bool:
+    """Return True when the script's `--help` mentions `flag`."""
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, check=False
+    )
+    return flag in done.stdout
+
+
+def run_benchmarks(
+    *,
+    benchmarks: Path,
+    out: Path,
+    which: Sequence[str] = ("transfer", "planner"),
+    extra: Sequence[str] = (),
+    runner: Runner = _run,
+    has_gpu: Callable[[], bool] = cuda_available,
+    log: TextIO = sys.stderr,
+) -> list[BenchOutcome]:
+    """Run the benchmarks named in `which` from the folder `benchmarks`, writing JSON (and
+    PNG plots, when matplotlib is importable) under `out`; return one outcome per benchmark.
+
+    `transfer` needs a CUDA GPU and is skipped without one; `planner` is skipped when its
+    script is absent. `extra` arguments go to every script.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for name in which:
+        script = benchmarks / f"{name}.py"
+        if not script.is_file():
+            outcomes.append(
+                BenchOutcome(name=name, status=BenchStatus.SKIPPED, reason=f"{script} not found")
+            )
+            continue
+        if name == "transfer" and not has_gpu():
+            outcomes.append(
+                BenchOutcome(
+                    name=name, status=BenchStatus.SKIPPED, reason="needs torch and a CUDA GPU"
+                )
+            )
+            continue
+        json_path = out / f"{name}.json"
+        command = [sys.executable, str(script), *extra]
+        if name == "transfer" or _help_mentions(script, "--json"):
+            command += ["--json", str(json_path)]
+        print(f"kvferry bench: {' '.join(command)}", file=log)
+        status = runner(command)
+        if status != 0:
+            outcomes.append(
+                BenchOutcome(name=name, status=BenchStatus.FAILED, reason=f"exit status {status}")
+            )
+            continue
+        written = json_path if json_path.is_file() else None
+        plot = None
+        if written is not None and name == "transfer":
+            plot = plot_transfer(written, out / "transfer.png", log=log)
+        outcomes.append(
+            BenchOutcome(name=name, status=BenchStatus.RAN, json_path=written, plot_path=plot)
+        )
+    return outcomes
+
+
+def plot_transfer(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path | None:
+    """Draw GB/s against page size per executor and direction, with the pinned-copy ceilings,
+    from `benchmarks/transfer.py`'s JSON; return the PNG's path, or None (and say so on `log`)
+    when matplotlib is not installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print(
+            "kvferry bench: matplotlib is not installed, no plot drawn "
+            "(pip install matplotlib, or the proposed 'kvferry[bench]' extra)",
+            file=log,
+        )
+        return None
+    matplotlib: Any = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")
+    plt: Any = importlib.import_module("matplotlib.pyplot")
+
+    data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for row in data.get("results", []):
+        key = (str(row["executor"]), str(row["direction"]))
+        series.setdefault(key, []).append((int(row["page_bytes"]), float(row["gbps"])))
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for (executor, direction), points in sorted(series.items()):
+        points.sort()
+        axis.plot(
+            [p / 1024 for p, _ in points],
+            [g for _, g in points],
+            marker="o",
+            linestyle="-" if direction == "store" else "--",
+            label=f"{executor} {direction}",
+        )
+    for direction, gbps in data.get("ceiling_gbps", {}).items():
+        axis.axhline(float(gbps), color="grey", linewidth=0.8, linestyle=":")
+        axis.annotate(f"ceiling {direction} {float(gbps):.1f}", (1, float(gbps)), fontsize=7)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("page (KiB)")
+    axis.set_ylabel("GB/s")
+    axis.set_title(f"kvferry transfer, {data.get('device', 'GPU')}")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(png, dpi=120)
+    plt.close(figure)
+    return png

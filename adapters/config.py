@@ -1,0 +1,323 @@
+"""kvferry's configuration: one frozen value from a dict, a TOML file or `KVFERRY_*` variables.
+
+Reads files and the environment only when asked (`from_toml`, `from_env`); validating a value
+names the key and the allowed values, and nothing here builds an executor or allocates memory.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvferry.core.catalog import CatalogConfig, rows_for_budget
+from kvferry.core.errors import InvalidInputError, UnknownExecutorError
+from kvferry.core.eviction import EvictionPolicyKind
+from kvferry.executors.registry import executor_class, executor_entries
+
+ENV_PREFIX = "KVFERRY_"
+"""Environment variables `KVFERRY_<KEY>` set the key `<key>` (upper-cased)."""
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _bad(key: str, expected: str, got: object) -> InvalidInputError:
+    return InvalidInputError(field=key, expected=expected, got=got)
+
+
+def parse_bytes(key: str, value: object) -> int:
+    """Return a byte count from an integer or a string such as "512MiB" or "8 GB"."""
+    expected = "a byte count >= 1: an integer or a string such as '512MiB', '8GB'"
+    if isinstance(value, bool):
+        raise _bad(key, expected, value)
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise _bad(key, expected + " (units: " + ", ".join(u for u in _UNITS if u) + ")", value)
+        number = int(match.group(1)) * _UNITS[unit]
+    else:
+        raise _bad(key, expected, value)
+    if number < 1:
+        raise _bad(key, expected, value)
+    return number
+
+
+def _parse_executor(key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise _bad(key, "an executor name (a string)", value)
+    known = executor_entries()
+    if value not in known:
+        try:
+            executor_class(value)  # raises with the registry's "did you mean"
+        except UnknownExecutorError as error:
+            raise _bad(key, f"one of {', '.join(sorted(known))} ({error})", value) from None
+    return value
+
+
+def _parse_policy(key: str, value: object) -> EvictionPolicyKind:
+    if isinstance(value, EvictionPolicyKind):
+        return value
+    try:
+        return EvictionPolicyKind.from_name(str(value))
+    except InvalidInputError as error:
+        raise _bad(key, error.expected, value) from None
+
+
+def _parse_positive(key: str, value: object) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(key, "an integer >= 1", value)
+    return value
+
+
+def _parse_bool(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise _bad(key, "true or false (env: 1/0, true/false, yes/no, on/off)", value)
+
+
+def _optional(parse: Callable[[str, object], Any]) -> Callable[[str, object], Any]:
+    def parse_or_none(key: str, value: object) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in {"", "none"}):
+            return None
+        return parse(key, value)
+
+    return parse_or_none
+
+
+@attrs.frozen(kw_only=True)
+class ConfigKey:
+    """One configuration key: how it is read, what it defaults to, what it allows."""
+
+    name: str
+    """The key in dicts and TOML files."""
+    kind: str
+    """Its type, as docs/configuration.md writes it."""
+    default: object
+    """The value when no source sets it."""
+    allowed: str
+    """The values it accepts, in words."""
+    parse: Callable[[str, object], Any] = attrs.field(eq=False, repr=False)
+    """Turns a raw value (from a dict, TOML or an environment string) into the typed one."""
+    help: str
+    """What it selects."""
+
+    @property
+    def env(self) -> str:
+        """Return the environment variable that sets it."""
+        return ENV_PREFIX + self.name.upper()
+
+
+CONFIG_KEYS: dict[str, ConfigKey] = {
+    key.name: key
+    for key in (
+        ConfigKey(
+            name="executor",
+            kind="string",
+            default="cpu",
+            allowed="a registered executor: cpu, torch, cupy (or one added by entry point)",
+            parse=_parse_executor,
+            help="which executor copies the bytes",
+        ),
+        ConfigKey(
+            name="cpu_tier_bytes",
+            kind="integer or size string",
+            default=None,
+            allowed="bytes >= 1, e.g. 68719476736, '64GiB', '512MB'; unset: the demo profile's",
+            parse=_optional(parse_bytes),
+            help="pinned host memory for the CPU tier (whole rows of it are used)",
+        ),
+        ConfigKey(
+            name="eviction_policy",
+            kind="string",
+            default=EvictionPolicyKind.LRU,
+            allowed=", ".join(kind.value for kind in EvictionPolicyKind),
+            parse=_parse_policy,
+            help="which ready chunks the CPU tier evicts first",
+        ),
+        ConfigKey(
+            name="blocks_per_chunk",
+            kind="integer",
+            default=None,
+            allowed="an integer >= 1; unset: the demo profile's",
+            parse=_optional(_parse_positive),
+            help="GPU blocks per offloaded chunk (F), the same for every group",
+        ),
+        ConfigKey(
+            name="store_decoded_tokens",
+            kind="boolean",
+            default=True,
+            allowed="true or false",
+            parse=_parse_bool,
+            help="store chunks of generated tokens too (false: the prompt's only)",
+        ),
+        ConfigKey(
+            name="staging_bytes",
+            kind="integer or size string",
+            default=None,
+            allowed="bytes >= 1; unset: the executor's default (GPU executors only)",
+            parse=_optional(parse_bytes),
+            help="staging buffer per direction of the torch and cupy executors",
+        ),
+        ConfigKey(
+            name="record_events",
+            kind="boolean",
+            default=False,
+            allowed="true or false",
+            parse=_parse_bool,
+            help="keep the catalog's stored/removed events for a router to drain",
+        ),
+    )
+}
+"""Every key: drives parsing, the errors, the tests and docs/configuration.md."""
+
+
+@attrs.frozen(kw_only=True)
+class KvferryConfig:
+    """What a deployment of kvferry chooses; build it with `from_mapping`, `from_toml`,
+    `from_env` or `load`, which validate every value."""
+
+    executor: str = "cpu"
+    """Executor name (see `kvferry.executors.registry`)."""
+    cpu_tier_bytes: int | None = None
+    """CPU-tier budget in bytes; None: the caller's default (the demo's profile)."""
+    eviction_policy: EvictionPolicyKind = EvictionPolicyKind.LRU
+    """The catalog's eviction policy."""
+    blocks_per_chunk: int | None = None
+    """`F`; None: the caller's default (the demo's profile)."""
+    store_decoded_tokens: bool = True
+    """Store generated tokens' chunks too."""
+    staging_bytes: int | None = None
+    """Staging bytes per direction for GPU executors; None: the executor's default."""
+    record_events: bool = False
+    """Keep catalog events for `drain_events`."""
+
+    @classmethod
+    def from_mapping(
+        cls, values: Mapping[str, object], *, base: KvferryConfig | None = None
+    ) -> KvferryConfig:
+        """Return `base` (default: the defaults) with the keys of `values` set, each validated.
+
+        Raises InvalidInputError naming the key for an unknown key (with "did you mean") or a
+        bad value (with the allowed values).
+        """
+        if not isinstance(values, Mapping):
+            raise _bad("config", "a table of keys", values)
+        changes: dict[str, Any] = {}
+        for key, raw in values.items():
+            spec = CONFIG_KEYS.get(key)
+            if spec is None:
+                close = difflib.get_close_matches(str(key), list(CONFIG_KEYS), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise _bad(str(key), "one of the keys " + ", ".join(CONFIG_KEYS) + hint, raw)
+            changes[key] = spec.parse(key, raw)
+        return attrs.evolve(base or cls(), **changes)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, *, base: KvferryConfig | None = None) -> KvferryConfig:
+        """Return the configuration a TOML file sets (top-level keys) over `base`."""
+        loads = _toml_loads()
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            values = loads(text)
+        except ValueError as error:  # tomllib.TOMLDecodeError is a ValueError
+            raise _bad("config file", f"valid TOML ({error})", str(path)) from None
+        return cls.from_mapping(values, base=base)
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, base: KvferryConfig | None = None
+    ) -> KvferryConfig:
+        """Return the configuration the `KVFERRY_*` variables of `environ` (default: the
+        process environment) set over `base`; an unknown `KVFERRY_*` variable is an error."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for name, raw in environ.items():
+            if not name.startswith(ENV_PREFIX):
+                continue
+            key = name[len(ENV_PREFIX) :].lower()
+            if key not in CONFIG_KEYS:
+                names = [spec.env for spec in CONFIG_KEYS.values()]
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise _bad(name, "one of the variables " + ", ".join(names) + hint, raw)
+            values[key] = raw
+        try:
+            return cls.from_mapping(values, base=base)
+        except InvalidInputError as error:
+            spec = CONFIG_KEYS.get(error.field)
+            field = f"{spec.env} ({spec.name})" if spec else error.field
+            raise _bad(field, error.expected, error.got) from None
+
+    @classmethod
+    def load(
+        cls, path: str | Path | None = None, environ: Mapping[str, str] | None = None
+    ) -> KvferryConfig:
+        """Return the defaults, overridden by the TOML file at `path` (when given), overridden
+        by the `KVFERRY_*` environment variables."""
+        config = cls() if path is None else cls.from_toml(path)
+        return cls.from_env(environ, base=config)
+
+    def catalog_config(
+        self, bytes_per_row: int, *, default_tier_bytes: int | None = None
+    ) -> CatalogConfig:
+        """Return the catalog configuration for rows of `bytes_per_row` bytes (the executor
+        layout's `row_bytes`); raise InvalidInputError when the budget holds no row."""
+        budget = self.cpu_tier_bytes if self.cpu_tier_bytes is not None else default_tier_bytes
+        if budget is None:
+            raise _bad("cpu_tier_bytes", "a byte budget (no default here)", None)
+        rows = rows_for_budget(budget, bytes_per_row)
+        if rows < 1:
+            raise _bad("cpu_tier_bytes", f"at least one row ({bytes_per_row} bytes)", budget)
+        return CatalogConfig(
+            capacity_rows=rows, policy=self.eviction_policy, record_events=self.record_events
+        )
+
+    def executor_options(self) -> dict[str, Any]:
+        """Return the backend keyword arguments for `make_executor` that this config sets."""
+        return {} if self.staging_bytes is None else {"staging_bytes": self.staging_bytes}
+
+
+def _toml_loads() -> Callable[[str], dict[str, Any]]:
+    """Return a TOML parser: `tomllib` (Python 3.11+) or, on 3.10, `tomli` if installed."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib.loads
+    try:
+        tomli: Any = importlib.import_module("tomli")
+    except ImportError:
+        raise _bad(
+            "config file",
+            "Python 3.11+ (tomllib), or the tomli package on Python 3.10 (pip install tomli)",
+            f"Python {sys.version_info.major}.{sys.version_info.minor} without tomli",
+        ) from None
+    loads: Callable[[str], dict[str, Any]] = tomli.loads
+    return loads

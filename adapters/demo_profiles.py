@@ -1,0 +1,264 @@
+"""Model profiles of `kvferry demo`: real per-layer KV shapes of three model families, scaled down.
+
+Values and arithmetic on shapes only: a profile never allocates a tensor or plans a transfer.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import math
+
+import attrs
+
+from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
+from kvferry.core.errors import InvalidInputError
+
+BF16 = 2
+"""Bytes per bf16 element."""
+FP32 = 4
+"""Bytes per fp32 element."""
+WORD = 8
+"""Pages are generated and compared in 8-byte words: every page size must be a multiple."""
+
+
+class ProfileName(enum.Enum):
+    """The model profiles the demo knows; the value is the name used on the command line."""
+
+    LLAMA = "llama"
+    """Llama-3.1-8B-like: full attention only."""
+    GPT_OSS = "gpt-oss"
+    """gpt-oss-20b-like: full attention and 128-token sliding window, alternating layers."""
+    JAMBA = "jamba"
+    """Jamba-1.5-Mini-like: full attention and Mamba, Mamba pages padded to the attention page."""
+
+    @classmethod
+    def from_name(cls, name: str) -> ProfileName:
+        """Return the profile named `name`, or raise InvalidInputError listing the known ones."""
+        try:
+            return cls(name)
+        except ValueError:
+            known = [p.value for p in cls]
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InvalidInputError(
+                field="profile", expected="one of " + ", ".join(known) + hint, got=name
+            ) from None
+
+
+@attrs.frozen(kw_only=True)
+class StatePart:
+    """One state tensor of a Mamba layer, inside the layer's padded page."""
+
+    name: str
+    """What it is (`conv` or `ssm`)."""
+    shape: tuple[int, ...]
+    """Its shape per block (elements)."""
+    itemsize: int
+    """Bytes per element."""
+
+    @property
+    def nbytes(self) -> int:
+        """Return the bytes of this state per block."""
+        return math.prod(self.shape) * self.itemsize
+
+
+@attrs.frozen(kw_only=True)
+class GroupProfile:
+    """One KV-cache group of a profile: its kind, its layers and the shape of their pages."""
+
+    kind: GroupKind
+    """Full attention, sliding window or Mamba."""
+    layers: int
+    """Layers of this group in the demo (scaled down from `real_layers`)."""
+    real_layers: int
+    """Layers of this kind in the real model."""
+    sliding_window: int | None = None
+    """Window in tokens (sliding-window groups only)."""
+    kv_heads: int = 0
+    """KV heads per attention layer."""
+    head_dim: int = 0
+    """Head dimension of an attention layer."""
+    states: tuple[StatePart, ...] = ()
+    """A Mamba layer's state tensors, laid one after another in its padded page."""
+
+    @property
+    def is_attention(self) -> bool:
+        """Return True for full-attention and sliding-window groups."""
+        return self.kind is not GroupKind.MAMBA
+
+    def token_bytes(self) -> int:
+        """Return the bytes one token takes in one K (or V) page of an attention layer."""
+        return self.kv_heads * self.head_dim * BF16
+
+    def state_bytes(self) -> int:
+        """Return the real (unpadded) bytes of one Mamba layer's state."""
+        return sum(part.nbytes for part in self.states)
+
+
+@attrs.frozen(kw_only=True)
+class ModelProfile:
+    """A model family as the demo plays it: groups, block size, chunking and pool sizes."""
+
+    name: ProfileName
+    """Its command-line name."""
+    title: str
+    """What it imitates, for the report."""
+    hash_block_size: int
+    """Tokens per prefix-hash block."""
+    block_size: int
+    """Tokens per GPU block, the same in every group (as hybrid engines align them)."""
+    groups: tuple[GroupProfile, ...]
+    """The KV-cache groups, in the engine's order."""
+    blocks_per_chunk: int
+    """Default `F`."""
+    gpu_blocks: int
+    """GPU blocks per group in the demo's pool (too few for the working set, on purpose)."""
+    cpu_tier_bytes: int
+    """Default CPU-tier budget."""
+    system_prompt_tokens: tuple[int, int]
+    """Range of a shared system prompt's length."""
+    user_tokens: tuple[int, int]
+    """Range of a user message's length."""
+    answer_tokens: tuple[int, int]
+    """Range of an answer's length."""
+    step_tokens: int
+    """Token budget of one engine step (chunked prefill)."""
+
+    def offload_config(self, blocks_per_chunk: int, *, store_decoded_tokens: bool) -> OffloadConfig:
+        """Return the planner configuration of this profile with `F = blocks_per_chunk`."""
+        return OffloadConfig(
+            hash_block_size=self.hash_block_size,
+            blocks_per_chunk=blocks_per_chunk,
+            groups=tuple(
+                GroupSpec(
+                    kind=group.kind,
+                    block_size=self.block_size,
+                    sliding_window=group.sliding_window,
+                )
+                for group in self.groups
+            ),
+            store_decoded_tokens=store_decoded_tokens,
+        )
+
+    def attention_page_bytes(self, group: GroupProfile) -> int:
+        """Return the bytes of one K (or V) page of an attention layer of `group`."""
+        return self.block_size * group.token_bytes()
+
+    def mamba_page_stride(self) -> int:
+        """Return the padded page of a Mamba layer: the K+V page of one attention layer, as
+        hybrid engines pad Mamba pages to share one block pool."""
+        attention = [g for g in self.groups if g.is_attention]
+        return 2 * self.attention_page_bytes(attention[0]) if attention else 0
+
+    def scale_note(self) -> str:
+        """Return how the demo's layer counts relate to the real model's."""
+        return ", ".join(
+            f"{g.layers} of {g.real_layers} {g.kind.value.replace('_', '-')} layers"
+            for g in self.groups
+        )
+
+
+def _attention_block_size(token_bytes: int, state_bytes: int, multiple: int) -> int:
+    """Return the smallest multiple of `multiple` tokens whose K+V page holds a Mamba state."""
+    tokens = -(-state_bytes // (2 * token_bytes))
+    return -(-tokens // multiple) * multiple
+
+
+_JAMBA_STATES = (
+    StatePart(name="conv", shape=(8192, 3), itemsize=BF16),
+    StatePart(name="ssm", shape=(8192, 16), itemsize=FP32),
+)
+_JAMBA_BLOCK = _attention_block_size(8 * 128 * BF16, sum(p.nbytes for p in _JAMBA_STATES), 16)
+
+PROFILES: dict[ProfileName, ModelProfile] = {
+    ProfileName.LLAMA: ModelProfile(
+        name=ProfileName.LLAMA,
+        title="Llama-3.1-8B-like (8 KV heads x 128, bf16)",
+        hash_block_size=16,
+        block_size=16,
+        groups=(
+            GroupProfile(
+                kind=GroupKind.FULL_ATTENTION, layers=4, real_layers=32, kv_heads=8, head_dim=128
+            ),
+        ),
+        blocks_per_chunk=4,
+        gpu_blocks=320,
+        cpu_tier_bytes=160 << 20,
+        system_prompt_tokens=(400, 900),
+        user_tokens=(40, 300),
+        answer_tokens=(16, 64),
+        step_tokens=2048,
+    ),
+    ProfileName.GPT_OSS: ModelProfile(
+        name=ProfileName.GPT_OSS,
+        title="gpt-oss-20b-like (8 KV heads x 64, bf16, window 128 on alternating layers)",
+        hash_block_size=16,
+        block_size=16,
+        groups=(
+            GroupProfile(
+                kind=GroupKind.FULL_ATTENTION, layers=2, real_layers=12, kv_heads=8, head_dim=64
+            ),
+            GroupProfile(
+                kind=GroupKind.SLIDING_WINDOW,
+                layers=2,
+                real_layers=12,
+                sliding_window=128,
+                kv_heads=8,
+                head_dim=64,
+            ),
+        ),
+        blocks_per_chunk=4,
+        gpu_blocks=320,
+        cpu_tier_bytes=64 << 20,
+        system_prompt_tokens=(400, 900),
+        user_tokens=(40, 300),
+        answer_tokens=(16, 64),
+        step_tokens=2048,
+    ),
+    ProfileName.JAMBA: ModelProfile(
+        name=ProfileName.JAMBA,
+        title=(
+            "Jamba-1.5-Mini-like (attention 8 KV heads x 128 bf16; Mamba d_inner 8192, "
+            f"d_state 16, conv 4; {_JAMBA_BLOCK}-token blocks, Mamba pages padded)"
+        ),
+        hash_block_size=16,
+        block_size=_JAMBA_BLOCK,
+        groups=(
+            GroupProfile(
+                kind=GroupKind.FULL_ATTENTION, layers=1, real_layers=4, kv_heads=8, head_dim=128
+            ),
+            GroupProfile(kind=GroupKind.MAMBA, layers=1, real_layers=28, states=_JAMBA_STATES),
+        ),
+        blocks_per_chunk=1,
+        gpu_blocks=64,
+        cpu_tier_bytes=192 << 20,
+        system_prompt_tokens=(600, 1400),
+        user_tokens=(100, 500),
+        answer_tokens=(16, 48),
+        step_tokens=2048,
+    ),
+}
+"""Every profile; the table drives the command line, the tests and docs/demo.md."""
+
+
+def check_profile(profile: ModelProfile) -> None:
+    """Raise InvalidInputError unless every page of `profile` is a whole number of words and
+    every Mamba state fits its padded page."""
+    for index, group in enumerate(profile.groups):
+        if group.is_attention:
+            sizes = [group.token_bytes()]
+        else:
+            sizes = [part.nbytes for part in group.states]
+            if group.state_bytes() > profile.mamba_page_stride():
+                raise InvalidInputError(
+                    group=index,
+                    field="states",
+                    expected=f"at most the padded page ({profile.mamba_page_stride()} bytes)",
+                    got=group.state_bytes(),
+                )
+        for size in sizes:
+            if size % WORD:
+                raise InvalidInputError(
+                    group=index, field="page", expected=f"a multiple of {WORD} bytes", got=size
+                )

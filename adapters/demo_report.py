@@ -1,0 +1,171 @@
+"""The demo's result: one frozen value with every count, rendered as a table or as JSON.
+
+Formatting only: it computes ratios from the counts it is given and never runs anything.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class DemoReport:
+    """What one `kvferry demo` run did."""
+
+    profile: str
+    """Profile name."""
+    title: str
+    """What the profile imitates."""
+    scale: str
+    """Its layer counts against the real model's."""
+    executor: str
+    """Executor name."""
+    device: str
+    """Where the KV tensors lived."""
+    seed: int
+    """Workload seed."""
+    blocks_per_chunk: int
+    """`F`."""
+    block_size: int
+    """Tokens per GPU block."""
+    gpu_blocks: int
+    """GPU blocks per group in the pool."""
+    cpu_tier_bytes: int
+    """The CPU tier's budget."""
+    cpu_tier_rows: int
+    """Rows it holds (one chunk each)."""
+    eviction_policy: str
+    """The catalog's eviction policy."""
+    requests: int
+    """Requests (chat turns) served."""
+    steps: int
+    """Engine steps run."""
+    prompt_tokens: int
+    """Prompt tokens over all requests."""
+    gpu_hit_tokens: int
+    """Prompt tokens found in the engine's own GPU prefix cache."""
+    loaded_tokens: int
+    """Prompt tokens loaded from the CPU tier."""
+    recomputed_tokens: int
+    """Prompt tokens computed (neither on the GPU nor in the tier)."""
+    decoded_tokens: int
+    """Tokens generated."""
+    preemptions: int
+    """Requests preempted for lack of GPU blocks (recomputed later)."""
+    gpu_evictions: int
+    """Cached GPU blocks reused for other tokens (the engine's prefix cache forgot them)."""
+    load_jobs: int
+    """Load jobs run."""
+    store_jobs: int
+    """Store jobs run."""
+    chunks_stored: int
+    """Chunks written to the CPU tier."""
+    chunks_evicted: int
+    """Chunks evicted from the CPU tier."""
+    chunks_loaded: int
+    """Chunks read from the CPU tier."""
+    bytes_stored: int
+    """Bytes copied GPU -> CPU."""
+    bytes_loaded: int
+    """Bytes copied CPU -> GPU."""
+    store_seconds: float
+    """Copy time of the stores, as the executor measured it."""
+    load_seconds: float
+    """Copy time of the loads, as the executor measured it."""
+    windowed_bytes_loaded: int
+    """Bytes loaded for sliding-window and Mamba groups."""
+    windowed_bytes_all_blocks: int
+    """Bytes those groups would have loaded with every block of the hit instead of the window
+    (or state) only."""
+    pages_verified: int
+    """Loaded pages checked byte for byte (all equal, or the run would have failed)."""
+    wall_seconds: float
+    """Time of the whole run."""
+
+    @property
+    def store_gbps(self) -> float:
+        """Return the stores' GB/s (0 when nothing was stored)."""
+        return self.bytes_stored / self.store_seconds / 1e9 if self.store_seconds else 0.0
+
+    @property
+    def load_gbps(self) -> float:
+        """Return the loads' GB/s (0 when nothing was loaded)."""
+        return self.bytes_loaded / self.load_seconds / 1e9 if self.load_seconds else 0.0
+
+    @property
+    def windowed_bytes_saved(self) -> int:
+        """Return the bytes the window-only loads saved against loading every block."""
+        return self.windowed_bytes_all_blocks - self.windowed_bytes_loaded
+
+    def to_json(self) -> str:
+        """Return the report as JSON (sorted keys), with the derived rates."""
+        data: dict[str, Any] = attrs.asdict(self)
+        data["store_gbps"] = self.store_gbps
+        data["load_gbps"] = self.load_gbps
+        data["windowed_bytes_saved"] = self.windowed_bytes_saved
+        data["verified"] = f"all {self.pages_verified} pages verified"
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def to_table(self) -> str:
+        """Return the report as a plain-text table ending with "all N pages verified"."""
+        prompt = max(self.prompt_tokens, 1)
+
+        def share(tokens: int) -> str:
+            return f"{tokens:,} ({100 * tokens / prompt:.1f} %)"
+
+        rows = [
+            ("requests (chat turns)", f"{self.requests:,} in {self.steps:,} steps"),
+            ("prompt tokens", f"{self.prompt_tokens:,}"),
+            ("  GPU prefix-cache hits", share(self.gpu_hit_tokens)),
+            ("  loaded from CPU tier", share(self.loaded_tokens)),
+            ("  recomputed", share(self.recomputed_tokens)),
+            ("decoded tokens", f"{self.decoded_tokens:,}"),
+            ("GPU blocks evicted / preemptions", f"{self.gpu_evictions:,} / {self.preemptions}"),
+            ("load jobs / store jobs", f"{self.load_jobs:,} / {self.store_jobs:,}"),
+            (
+                "chunks stored / evicted / loaded",
+                f"{self.chunks_stored:,} / {self.chunks_evicted:,} / {self.chunks_loaded:,}",
+            ),
+            (
+                "bytes stored GPU->CPU",
+                f"{_size(self.bytes_stored)} at {self.store_gbps:.2f} GB/s",
+            ),
+            ("bytes loaded CPU->GPU", f"{_size(self.bytes_loaded)} at {self.load_gbps:.2f} GB/s"),
+        ]
+        if self.windowed_bytes_all_blocks:
+            saved = self.windowed_bytes_saved
+            rows.append(
+                (
+                    "windowed groups loaded",
+                    f"{_size(self.windowed_bytes_loaded)} (window/state only); every block: "
+                    f"{_size(self.windowed_bytes_all_blocks)}; saved {_size(saved)} "
+                    f"({100 * saved / self.windowed_bytes_all_blocks:.1f} %)",
+                )
+            )
+        rows += [
+            ("pages verified", f"{self.pages_verified:,}"),
+            ("wall time", f"{self.wall_seconds:.1f} s"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        head = [
+            f"kvferry demo: profile {self.profile}, executor {self.executor} ({self.device}), "
+            f"seed {self.seed}",
+            f"  model: {self.title}",
+            f"  scaled: {self.scale}; {self.block_size}-token blocks, F = "
+            f"{self.blocks_per_chunk}, {self.gpu_blocks} GPU blocks per group",
+            f"  CPU tier: {_size(self.cpu_tier_bytes)} = {self.cpu_tier_rows} rows, "
+            f"eviction {self.eviction_policy}",
+            "",
+        ]
+        body = [f"{name:<{width}}  {value}" for name, value in rows]
+        return "\n".join([*head, *body, "", f"all {self.pages_verified} pages verified"]) + "\n"
+
+
+def _size(nbytes: int) -> str:
+    """Return `nbytes` in MB or GB (decimal), as bandwidths are quoted."""
+    if nbytes >= 10**9:
+        return f"{nbytes / 1e9:.2f} GB"
+    return f"{nbytes / 1e6:.1f} MB"
