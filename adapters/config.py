@@ -317,7 +317,7 @@ def _toml_loads() -> Callable[[str], dict[str, Any]]:
         raise _bad(
             "config file",
             "Python 3.11+ (tomllib), or the tomli package on Python 3.10 (pip install tomli)",
-            f"Python {sys.version_info.major}.{sys.version_info.minor} without tomli",
+            "Python " + ".".join(str(part) for part in sys.version_info[:2]) + " without tomli",
         ) from None
     loads: Callable[[str], dict[str, Any]] = tomli.loads
     return loads

@@ -75,10 +75,15 @@ def run_demo(
     *,
     executor_factory: ExecutorFactory = make_executor,
     progress: Callable[[int, int, int], None] | None = None,
+    torch_device: str | None = None,
 ) -> DemoReport:
     """Serve `options.requests` chat turns with the real planner, session, catalog and executor;
     return the report. Every page loaded from the CPU tier is verified: a wrong byte raises
-    VerificationFailedError (and a failed job TransferFailedError)."""
+    VerificationFailedError (and a failed job TransferFailedError).
+
+    The KV tensors are numpy arrays for a host executor and torch CUDA tensors for a GPU one;
+    `torch_device` forces torch tensors on that device (tests run the torch executor's copy path
+    on `cpu` tensors this way)."""
     started = time.perf_counter()
     profile = PROFILES[options.profile]
     check_profile(profile)
@@ -86,7 +91,9 @@ def run_demo(
     f = config.blocks_per_chunk or profile.blocks_per_chunk
     offload = profile.offload_config(f, store_decoded_tokens=config.store_decoded_tokens)
     on_gpu = executor_class(config.executor).on_gpu
-    cache = DemoKVCache(profile, on_gpu=on_gpu)
+    if torch_device is None and on_gpu:
+        torch_device = "cuda"
+    cache = DemoKVCache(profile, torch_device=torch_device)
     pattern = PagePattern(options.seed, cache.max_width())
     row_bytes = build_layout(cache.kv_tensors, f, on_gpu=on_gpu)[0].row_bytes
     catalog_config = config.catalog_config(row_bytes, default_tier_bytes=profile.cpu_tier_bytes)

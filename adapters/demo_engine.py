@@ -388,6 +388,10 @@ class DemoEngine:
 
     def _load(self, job: BoundPlan, request: _Request, gpu: int, boundary: int) -> None:
         """Run a load to completion, verify every page it wrote, and count it."""
+        for g, refs in enumerate(self._cache.refs):
+            destinations = np.asarray(job.plan.gpu_ids_of(g), dtype=np.uint64)
+            for ref in refs if len(destinations) else ():
+                self._cache.poison(ref, destinations)
         self._executor.submit(job)
         self._jobs[job.job_id] = job
         self._collect(self._executor.wait([job.job_id]))

@@ -19,6 +19,8 @@ from kvferry.core.layout import TensorLayout
 from kvferry.executors.tensors import KVTensor
 
 Words = npt.NDArray[np.uint64]
+POISON = 0xEEEE_EEEE_EEEE_EEEE
+"""What a load's destination pages hold before the load writes them."""
 
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
@@ -126,7 +128,7 @@ class _TorchBackend:
     def __init__(self, device: str) -> None:
         import torch
 
-        if not torch.cuda.is_available():
+        if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidInputError(
                 field="executor", expected="a CUDA device for a GPU executor", got="none"
             )
@@ -164,12 +166,12 @@ class DemoKVCache:
     FlashAttention's K/V split per attention layer; per Mamba layer one padded page buffer seen
     through its conv and SSM state tensors.
 
-    `on_gpu` puts them in CUDA memory (torch); otherwise they are host arrays.
+    With a `torch_device` (e.g. `cuda`) they are torch tensors there; otherwise numpy arrays.
     """
 
-    def __init__(self, profile: ModelProfile, *, on_gpu: bool, device: str = "cuda") -> None:
+    def __init__(self, profile: ModelProfile, *, torch_device: str | None = None) -> None:
         backend: _NumpyBackend | _TorchBackend = (
-            _TorchBackend(device) if on_gpu else _NumpyBackend()
+            _NumpyBackend() if torch_device is None else _TorchBackend(torch_device)
         )
         self._backend = backend
         self.num_blocks = profile.gpu_blocks + 1  # block 0 is the engine's null block
@@ -232,6 +234,12 @@ class DemoKVCache:
     def write_states(self, ref: RefPages, blocks: Words, rows: Words) -> None:
         """Write a whole Mamba state per entry: `rows[k]` into block `blocks[k]`."""
         self._backend.put(ref.words, (blocks,), rows)
+
+    def poison(self, ref: RefPages, blocks: Words) -> None:
+        """Fill `ref`'s pages of `blocks` with a poison word, so that a page a load fails to
+        write can never pass for a right one left over from an earlier owner."""
+        shape = (len(blocks), *ref.words.shape[1:])
+        self._backend.put(ref.words, (blocks,), np.full(shape, POISON, dtype=np.uint64))
 
     def read_pages(self, ref: RefPages, blocks: Words) -> Words:
         """Return the words of `ref`'s pages of `blocks` (a host copy)."""
