@@ -15,7 +15,7 @@ from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
-from kvferry.core.keys import KeyStatus, OffloadKey
+from kvferry.core.keys import OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
@@ -129,22 +129,6 @@ class _Request:
     finished: bool = False
 
 
-class _RecordingTier:
-    """The catalog as the store planner sees it; remembers the keys of its `can_reserve` call
-    (the plan's candidates, present ones included) so the reservation protects all of them."""
-
-    def __init__(self, catalog: Catalog) -> None:
-        self._catalog = catalog
-        self.asked: Sequence[OffloadKey] = ()
-
-    def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
-        return self._catalog.statuses(keys)
-
-    def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
-        self.asked = keys
-        return self._catalog.can_reserve(keys)
-
-
 class OffloadSession:
     """The scheduler side of kvferry for one engine: requests, jobs and the CPU-tier catalog.
 
@@ -173,7 +157,6 @@ class OffloadSession:
         self._world_size = world_size
         self._fingerprint = layout_fingerprint
         self._lookup_view = catalog.view(pinned_as_pending=True)
-        self._store_tier = _RecordingTier(catalog)
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_job = 1
@@ -349,8 +332,6 @@ class OffloadSession:
         )
         if not store_due(self._config, request.state, done):
             return  # no chunk completes this step: the planner would answer NOTHING
-        tier = self._store_tier
-        tier.asked = ()
         decision = plan_store(
             self._config,
             request.state,
@@ -358,12 +339,12 @@ class OffloadSession:
             num_computed_tokens=running.num_computed_tokens,
             num_scheduled_tokens=running.num_scheduled_tokens,
             num_tokens=running.num_tokens,
-            tier=tier,
+            tier=self._catalog,
         )
         if decision.outcome is StoreOutcome.NO_ROOM:
             no_room.append(rid)
         elif decision.plan is not None:
-            asked = tier.asked
+            asked = decision.reserve_keys
             reservation = self._catalog.reserve(
                 asked, positions=self._positions(request.state, asked), request=rid
             )
@@ -570,6 +551,8 @@ class OffloadSession:
             self._catalog.complete_store(job.keys, success=success)
         else:
             self._catalog.unpin(job.keys)
+            if not success:  # the rows may hold bad bytes: never hand them out again
+                self._catalog.discard(job.keys)
         request = self._requests[job.request_id]
         request.jobs.discard(job.job_id)
         if request.fence is not None:

@@ -7,6 +7,19 @@ arguments and returns new immutable values, so the same inputs give the same pla
 """
 
 from kvferry.core.blocks import GroupBlocks
+from kvferry.core.bound import BoundPlan, JobResult
+from kvferry.core.catalog import (
+    Catalog,
+    CatalogConfig,
+    CatalogCounters,
+    CatalogEntry,
+    CatalogEvent,
+    CatalogView,
+    EventKind,
+    KeyState,
+    Reservation,
+    rows_for_budget,
+)
 from kvferry.core.codec import SCHEMA_VERSION, plan_from_json, plan_to_json
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import (
@@ -17,7 +30,10 @@ from kvferry.core.errors import (
     TransferFailedError,
     UnknownExecutorError,
 )
+from kvferry.core.eviction import EvictionPolicy, EvictionPolicyKind, make_policy
+from kvferry.core.expand import CopyList, PageCopies, copy_list, expand_pages
 from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, describe_tensor
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction, TransferPlan
@@ -33,33 +49,57 @@ from kvferry.core.store import (
 
 __all__ = [
     "SCHEMA_VERSION",
+    "BoundPlan",
+    "Catalog",
+    "CatalogConfig",
+    "CatalogCounters",
+    "CatalogEntry",
+    "CatalogEvent",
+    "CatalogView",
+    "CopyList",
     "Direction",
+    "EventKind",
+    "EvictionPolicy",
+    "EvictionPolicyKind",
     "ExecutorUnavailableError",
     "GroupBlocks",
     "GroupKind",
+    "GroupLayout",
     "GroupSpec",
     "InvalidInputError",
+    "JobResult",
+    "KVLayout",
+    "KeyState",
     "KeyStatus",
     "KeyStatusView",
     "KvferryError",
     "LookupResult",
     "OffloadConfig",
     "OffloadKey",
+    "PageCopies",
+    "PageRef",
     "PlanInvariantError",
     "RequestState",
+    "Reservation",
     "StoreDecision",
     "StoreOutcome",
     "StoreTierView",
+    "TensorLayout",
     "TransferFailedError",
     "TransferPlan",
     "UnknownExecutorError",
+    "copy_list",
+    "describe_tensor",
+    "expand_pages",
     "extend_keys",
     "lookup",
+    "make_policy",
     "new_request_state",
     "plan_from_json",
     "plan_load",
     "plan_store",
     "plan_to_json",
+    "rows_for_budget",
     "store_due",
     "stored_tokens_after_step",
 ]

@@ -160,6 +160,8 @@ class Catalog:
         self._writing: dict[OffloadKey, tuple[int, str | None]] = {}
         """Per writing key: the token position its chunk ends at, and the storing request."""
         self._freed: list[int] = []
+        self._doomed: set[OffloadKey] = set()
+        """Ready keys to drop once their last pin is released (a load of them failed)."""
         self._next_fresh = 0
         self._events: list[CatalogEvent] = []
         self._hits = self._misses = self._stores = self._failed = self._evictions = 0
@@ -384,6 +386,28 @@ class Catalog:
                 pins[key] = left
             else:
                 del pins[key]
+        if self._doomed:
+            self._drop([key for key in wanted if key in self._doomed and key not in pins])
+
+    def discard(self, keys: Sequence[OffloadKey]) -> None:
+        """Drop ready `keys` from the tier (their data is suspect: a load of them failed).
+
+        Unpinned keys go now and free their rows; keys other loads still pin go when their
+        last pin is released. Absent and writing keys are left alone.
+        """
+        status, pins = self._status, self._pins
+        ready = [key for key in dict.fromkeys(keys) if status.get(key) is _HIT]
+        self._doomed.update(key for key in ready if key in pins)
+        self._drop([key for key in ready if key not in pins])
+
+    def _drop(self, keys: list[OffloadKey]) -> None:
+        for key in keys:
+            self._doomed.discard(key)
+            del self._status[key]
+            self._freed.append(self._rows.pop(key))
+            self._policy.remove(key)
+        if keys:
+            self._record(EventKind.REMOVED, keys)
 
     # -- events and reset ----------------------------------------------------------------------
 
@@ -403,6 +427,7 @@ class Catalog:
         self._pins.clear()
         self._writing.clear()
         self._freed.clear()
+        self._doomed.clear()
         self._next_fresh = 0
         self._policy.clear()
 

@@ -1,7 +1,7 @@
 """Store planning: which newly completed chunks to copy to the CPU tier, from which GPU blocks.
 
 Pure: the tier is asked (read-only) which keys it has and whether the rest fit; the caller
-reserves the rows afterwards, with the plan's keys.
+reserves the rows afterwards, with the decision's `reserve_keys` (the plan's keys are among them).
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ class StoreDecision:
     """The store plan when `outcome` is STORE, else None."""
     state: RequestState
     """The request's planning state after this decision."""
+    reserve_keys: tuple[OffloadKey, ...] = ()
+    """With a plan: the keys to hand to the tier's reservation — the plan's keys and the
+    candidates the tier already has, which the reservation must not evict to make room (the
+    same keys `can_reserve` was asked about). Empty without a plan."""
 
     def __attrs_post_init__(self) -> None:
         if (self.plan is None) == (self.outcome is StoreOutcome.STORE):
@@ -183,4 +187,6 @@ def plan_store(
         group_sizes=tuple(sizes),
         block_indices=tuple(firsts),
     )
-    return StoreDecision(outcome=StoreOutcome.STORE, plan=plan, state=moved)
+    return StoreDecision(
+        outcome=StoreOutcome.STORE, plan=plan, state=moved, reserve_keys=tuple(candidates)
+    )

@@ -400,3 +400,38 @@ def test_completing_a_store_that_names_a_key_twice_completes_it_once() -> None:
     cat.reserve([k(1)])
     cat.complete_store([k(1), k(1)], success=False)
     assert cat.rows_used == 0
+
+
+# -- discarding suspect keys (a load of them failed) ---------------------------------------------
+
+
+def test_discard_drops_an_unpinned_ready_key_and_frees_its_row() -> None:
+    cat = stored(2, [k(1), k(2)])
+    cat.discard([k(1)])
+    assert cat.statuses([k(1), k(2)]) == [MISS, HIT]
+    assert cat.free_rows == 1
+
+
+def test_discard_of_a_pinned_key_waits_for_its_last_unpin() -> None:
+    cat = stored(2, [k(1)])
+    cat.pin([k(1)])
+    cat.pin([k(1)])
+    cat.discard([k(1)])
+    cat.unpin([k(1)])
+    assert cat.statuses([k(1)]) == [HIT]
+    cat.unpin([k(1)])
+    assert cat.statuses([k(1)]) == [MISS]
+
+
+def test_discard_leaves_writing_and_absent_keys_alone() -> None:
+    cat = catalog(2)
+    cat.reserve([k(1)])
+    cat.discard([k(1), k(9)])
+    assert cat.statuses([k(1), k(9)]) == [PENDING, MISS]
+
+
+def test_discard_reports_the_keys_as_removed() -> None:
+    cat = stored(2, [k(1)], events=True)
+    cat.drain_events()
+    cat.discard([k(1)])
+    assert cat.drain_events() == (CatalogEvent(kind=EventKind.REMOVED, group=0, keys=(k(1),)),)

@@ -95,6 +95,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.ready: set[OffloadKey] = set()
         self.writing: dict[OffloadKey, int] = {}
         self.pins: dict[OffloadKey, int] = {}
+        self.doomed: set[OffloadKey] = set()
         self.stale: list[int] = []
         self.arrivals = 0
         self.next_block = 1
@@ -310,6 +311,12 @@ class SessionMachine(RuleBasedStateMachine):
                 self.pins[key] -= 1
                 if not self.pins[key]:
                     del self.pins[key]
+            if job.failed:  # a failed load's keys leave the tier once nothing pins them
+                self.doomed.update(key for key in job.keys if key in self.ready)
+            dropped = {key for key in self.doomed if key not in self.pins}
+            self.doomed -= dropped
+            self.ready -= dropped
+            assert sorted(self.take_events(EventKind.REMOVED)) == sorted(dropped)
             if job.failed and job.recompute is not None:
                 recompute = (job.recompute,)
             if request.load is not None and request.load[0] == job_id:
@@ -372,6 +379,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.ready.clear()
         self.writing.clear()
         self.pins.clear()
+        self.doomed.clear()
 
     @precondition(lambda self: self.stale)
     @rule(data=st.data(), success=st.booleans())
