@@ -221,11 +221,11 @@ def _cursors(draw: st.DrawFn, config: OffloadConfig, state: RequestState, nc: in
 def _tier(draw: st.DrawFn, state: RequestState, mix: Mix, free_rows: int | None) -> FakeTier:
     """Return a tier with a status per key of the request, drawn from `mix` (one byte a key:
     one draw for the whole tier keeps generation fast)."""
-    bounds = []
+    bounds: list[tuple[int, KeyStatus]] = []
     total = 0
-    for status, share in mix:
+    for kind, share in mix:
         total += share
-        bounds.append((total, status))
+        bounds.append((total, kind))
     assert total == 256
     all_keys = [key for keys in state.keys for key in keys]
     data = draw(_TIER_BYTES)

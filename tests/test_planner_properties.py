@@ -499,7 +499,9 @@ def transfer_plans(draw: st.DrawFn) -> TransferPlan:
     """Return any valid plan: random F, groups, skips, hashes (any bytes) and request id."""
     f = draw(st.integers(1, 4))
     direction = draw(st.sampled_from(Direction))
-    sizes, firsts, keys = [], [], []
+    sizes: list[int] = []
+    firsts: list[int] = []
+    keys: list[OffloadKey] = []
     for g in range(draw(st.integers(1, 4))):
         size = draw(st.integers(0, 6))
         first = draw(st.integers(0, 20)) if size else 0
