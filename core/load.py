@@ -12,6 +12,7 @@ import attrs
 import numpy as np
 
 from kvferry.core.blocks import GroupBlocks
+from kvferry.core.checks import check_count
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import OffloadKey
@@ -84,20 +85,14 @@ def _plan_group(
 
     if len(blocks) < n_gpu:
         raise fail("blocks", f"at least {n_gpu} blocks for {cached_tokens} tokens", len(blocks))
-    if end_chunk > len(state.keys[group]):
-        raise fail(
-            "hit_tokens",
-            f"at most {len(state.keys[group]) * config.chunk_tokens(group) - num_computed_tokens}"
-            " tokens (the request's complete chunks)",
-            cached_tokens - num_computed_tokens,
-        )
     lo = max(
         _ceil_div(num_computed_tokens, block_size),
         _first_needed_block(config.groups[group], block_size, cached_tokens, n_gpu),
     )
     taken = blocks.is_null[lo:n_gpu] | blocks.is_cached[lo:n_gpu]
     fillable = np.flatnonzero(~taken)
-    cursor = max(state.store_cursor[group], 0 if state.store_loaded else end_chunk)
+    moved_to = 0 if state.store_loaded or cached_tokens == num_computed_tokens else end_chunk
+    cursor = max(state.store_cursor[group], min(moved_to, len(state.keys[group])))
     if not len(fillable):
         return _GroupLoad(first=0, end=0, keys=(), next_cursor=cursor)
     first = lo + int(fillable[0])
@@ -109,6 +104,13 @@ def _plan_group(
             f"blocks[{index}]",
             f"a fresh block to load into (blocks {first}..{n_gpu - 1} are destinations)",
             f"a {what} block (id {int(blocks.ids[index])})",
+        )
+    if end_chunk > len(state.keys[group]):
+        raise fail(
+            "hit_tokens",
+            f"at most {len(state.keys[group]) * config.chunk_tokens(group) - num_computed_tokens}"
+            " tokens (the request's complete chunks)",
+            cached_tokens - num_computed_tokens,
         )
     keys = state.keys[group][first // f : end_chunk]
     return _GroupLoad(first=first, end=n_gpu, keys=keys, next_cursor=cursor)
@@ -134,13 +136,8 @@ def plan_load(
     """
     state.check_matches(config)
     check_block_lists(config, state, blocks)
-    if num_computed_tokens < 0 or hit_tokens < 0:
-        raise InvalidInputError(
-            request=state.request_id,
-            field="num_computed_tokens/hit_tokens",
-            expected="non-negative integers",
-            got=(num_computed_tokens, hit_tokens),
-        )
+    check_count(num_computed_tokens, request=state.request_id, field="num_computed_tokens")
+    check_count(hit_tokens, request=state.request_id, field="hit_tokens")
     cached_tokens = num_computed_tokens + hit_tokens
     loads = [
         _plan_group(
