@@ -14,7 +14,7 @@ from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent
 from kvferry.core.config import OffloadConfig
-from kvferry.core.errors import InvalidInputError, PlanInvariantError
+from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
 from kvferry.core.keys import OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
@@ -150,6 +150,10 @@ class OffloadSession:
             raise InvalidInputError(field="config", expected="an OffloadConfig", got=config)
         if not isinstance(catalog, Catalog):
             raise InvalidInputError(field="catalog", expected="a Catalog", got=catalog)
+        if catalog.capacity_rows < 1:  # a CPU tier of 0 bytes could never store a chunk
+            raise InvalidInputError(
+                field="capacity_rows", expected="a CPU tier of >= 1 row", got=catalog.capacity_rows
+            )
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise InvalidInputError(field="world_size", expected="an integer >= 1", got=world_size)
         self._config = config
@@ -221,6 +225,8 @@ class OffloadSession:
         GPU (where the engine's prefix cache then finds them). `num_prompt_tokens` (default
         `num_tokens`) and `store_loaded` are read when the request is first seen.
         """
+        known = self._requests.get(request_id)
+        before = None if known is None else (known.state, known.num_hashes)
         request = self._known(
             request_id,
             block_hashes,
@@ -228,13 +234,20 @@ class OffloadSession:
             store_loaded=store_loaded,
             call="lookup",
         )
-        return lookup(
-            self._config,
-            request.state,
-            num_tokens=num_tokens,
-            num_computed_tokens=num_computed_tokens,
-            tier=self._lookup_view,
-        )
+        try:
+            return lookup(
+                self._config,
+                request.state,
+                num_tokens=num_tokens,
+                num_computed_tokens=num_computed_tokens,
+                tier=self._lookup_view,
+            )
+        except KvferryError:  # a refused lookup leaves the request as it was (or unknown)
+            if before is None:
+                del self._requests[request_id]
+            else:
+                request.state, request.num_hashes = before
+            raise
 
     def start_load(
         self,

@@ -21,6 +21,23 @@ def frozen_ids(value: Any) -> IdArray:
     return array
 
 
+def integral_ids(value: Any) -> IdArray:
+    """Return `frozen_ids(value)` when `value`'s elements are integers (or there are none);
+    otherwise `value` as a read-only array, unconverted, for the caller to refuse where it
+    can say which request and field it was (`is_integral` tells which)."""
+    array = np.asarray(value)
+    if is_integral(array):
+        return frozen_ids(array)
+    array = array.view()
+    array.setflags(write=False)
+    return array
+
+
+def is_integral(array: npt.NDArray[Any]) -> bool:
+    """Return True when `array` holds integers (bools excluded), or nothing."""
+    return array.size == 0 or array.dtype.kind in "iu"
+
+
 def frozen_flags(value: Any) -> FlagArray:
     """Return a read-only bool copy of `value`."""
     array = np.array(value, dtype=np.bool_, copy=True)

@@ -10,7 +10,14 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from kvferry.core.arrays import FlagArray, IdArray, arrays_equal, frozen_flags, frozen_ids
+from kvferry.core.arrays import (
+    FlagArray,
+    IdArray,
+    arrays_equal,
+    frozen_flags,
+    integral_ids,
+    is_integral,
+)
 from kvferry.core.errors import InvalidInputError
 
 _eq_arrays = attrs.cmp_using(eq=arrays_equal)
@@ -18,11 +25,13 @@ _eq_arrays = attrs.cmp_using(eq=arrays_equal)
 
 def _checked_ids(value: object) -> IdArray:
     try:
-        ids = frozen_ids(value)
+        ids = integral_ids(value)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidInputError(
             field="ids", expected="a 1-D sequence of integers", got=value
         ) from exc
+    if not is_integral(ids):
+        raise InvalidInputError(field="ids", expected="a 1-D sequence of integers", got=value)
     if ids.ndim != 1:
         raise InvalidInputError(field="ids", expected="a 1-D sequence", got=value)
     return ids

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
+from kvferry.core.arrays import IdArray, arrays_equal, integral_ids, is_integral
 from kvferry.core.errors import PlanInvariantError
 from kvferry.core.plan import TransferPlan
 
@@ -20,12 +20,19 @@ class BoundPlan:
     """Assigned by the scheduler side; unique per session."""
     plan: TransferPlan
     """What to move."""
-    cpu_rows: IdArray = attrs.field(converter=frozen_ids, eq=attrs.cmp_using(eq=arrays_equal))
+    cpu_rows: IdArray = attrs.field(converter=integral_ids, eq=attrs.cmp_using(eq=arrays_equal))
     """CPU-tier row of each key of `plan.keys`, in the same order."""
     layout_fingerprint: str | None = None
     """Fingerprint of the layout the rows were sized for; an executor with another refuses it."""
 
     def __attrs_post_init__(self) -> None:
+        if not is_integral(self.cpu_rows):
+            raise PlanInvariantError(
+                request=self.plan.request_id,
+                field="cpu_rows",
+                expected="integer rows",
+                got=self.cpu_rows.tolist(),
+            )
         if self.cpu_rows.shape != (len(self.plan.keys),):
             raise PlanInvariantError(
                 request=self.plan.request_id,

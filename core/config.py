@@ -28,11 +28,21 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> 
         raise InvalidInputError(field=attribute.name, expected="an integer >= 1", got=value)
 
 
+def _group_kind(instance: object, attribute: attrs.Attribute[GroupKind], value: object) -> None:
+    if not isinstance(value, GroupKind):
+        raise InvalidInputError(field=attribute.name, expected="a GroupKind", got=value)
+
+
+def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidInputError(field=attribute.name, expected="a bool", got=value)
+
+
 @attrs.frozen(kw_only=True)
 class GroupSpec:
     """One KV-cache group: its kind, its GPU block size and (for windows) its window."""
 
-    kind: GroupKind = attrs.field(validator=attrs.validators.instance_of(GroupKind))
+    kind: GroupKind = attrs.field(validator=_group_kind)
     """How the group's layers use earlier tokens."""
     block_size: int = attrs.field(validator=_positive)
     """Tokens per GPU block of this group (`T_g`)."""
@@ -72,7 +82,7 @@ class OffloadConfig:
     """GPU blocks per offloaded chunk (`F`), the same for every group."""
     groups: tuple[GroupSpec, ...] = attrs.field(converter=_groups_tuple)
     """The KV-cache groups, in the engine's order; a group is named by its index here."""
-    store_decoded_tokens: bool = True
+    store_decoded_tokens: bool = attrs.field(default=True, validator=_flag)
     """Store chunks of generated tokens too (pays off in multi-turn chat), or the prompt's only."""
 
     _chunk_tokens: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)

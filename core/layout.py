@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import numbers
 from collections.abc import Sequence
 
 import attrs
@@ -210,11 +211,17 @@ def describe_tensor(
     Dimensions before the block dimension (the K/V half of `KV_SPLIT`) become separate refs;
     dimensions after it form the page and must be densely packed (size-1 dimensions excepted).
     """
-    rule = LAYOUT_RULES[kind]
-    shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
 
     def fail(field: str, expected: str, got: object) -> None:
         raise InvalidInputError(group=group, field=field, expected=expected, got=got)
+
+    if not isinstance(kind, TensorLayout):
+        fail("kind", "a TensorLayout", kind)
+    rule = LAYOUT_RULES[kind]
+    for name, values in (("shape", shape), ("strides", strides), ("itemsize", (itemsize,))):
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+            fail(name, "integers", values)
+    shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
 
     if len(shape) < rule.min_ndim or len(strides) != len(shape):
         fail("shape", f"{rule.shape} for {kind.value} (strides of the same rank)", (shape, strides))

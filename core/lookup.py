@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import attrs
 
+from kvferry.core.checks import check_count
 from kvferry.core.config import GroupKind, OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
@@ -153,6 +154,8 @@ def lookup(
     boundary is found; the answer is *retry* when the boundary found needs a pending key.
     """
     state.check_matches(config)
+    check_count(num_tokens, request=state.request_id, field="num_tokens")
+    check_count(num_computed_tokens, request=state.request_id, field="num_computed_tokens")
     if not 0 <= num_computed_tokens <= num_tokens:
         raise InvalidInputError(
             request=state.request_id,

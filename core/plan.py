@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import attrs
 import numpy as np
 
-from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
+from kvferry.core.arrays import IdArray, arrays_equal, integral_ids, is_integral
 from kvferry.core.errors import PlanInvariantError
 from kvferry.core.keys import OffloadKey
 
@@ -58,7 +58,9 @@ class TransferPlan:
     """`F` of the configuration the plan was made for."""
     keys: tuple[OffloadKey, ...] = attrs.field(converter=_key_tuple)
     """The chunks moved, group by group, in token order within a group."""
-    gpu_block_ids: IdArray = attrs.field(converter=frozen_ids, eq=attrs.cmp_using(eq=arrays_equal))
+    gpu_block_ids: IdArray = attrs.field(
+        converter=integral_ids, eq=attrs.cmp_using(eq=arrays_equal)
+    )
     """GPU block ids, group by group, in token order within a group."""
     group_sizes: tuple[int, ...] = attrs.field(converter=_int_tuple)
     """GPU blocks moved per group."""
@@ -83,6 +85,8 @@ class TransferPlan:
             )
         if self.gpu_block_ids.ndim != 1:
             fail("gpu_block_ids", "a 1-D array", self.gpu_block_ids.shape)
+        if not is_integral(self.gpu_block_ids):
+            fail("gpu_block_ids", "integer block ids", self.gpu_block_ids.tolist())
         if sum(self.group_sizes) != len(self.gpu_block_ids):
             fail(
                 "group_sizes", f"a sum of {len(self.gpu_block_ids)} (the GPU ids)", self.group_sizes

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from kvferry.core.checks import check_count
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.keys import OffloadKey, chunk_keys
@@ -30,13 +31,7 @@ class RequestState:
     """Store again the chunks this request loaded (a prefill node feeding a remote decoder)."""
 
     def __attrs_post_init__(self) -> None:
-        if self.num_prompt_tokens < 0:
-            raise InvalidInputError(
-                request=self.request_id,
-                field="num_prompt_tokens",
-                expected="an integer >= 0",
-                got=self.num_prompt_tokens,
-            )
+        check_count(self.num_prompt_tokens, request=self.request_id, field="num_prompt_tokens")
         if len(self.keys) != len(self.store_cursor):
             raise PlanInvariantError(
                 request=self.request_id,
@@ -94,6 +89,13 @@ def extend_keys(
     costs time in proportion to what is new.
     """
     state.check_matches(config)
+    if not isinstance(block_hashes, Sequence) or isinstance(block_hashes, (str, bytes)):
+        raise InvalidInputError(
+            request=state.request_id,
+            field="block_hashes",
+            expected="a sequence of bytes (one hash per full hash block)",
+            got=block_hashes,
+        )
     new_keys = []
     for group, known in enumerate(state.keys):
         step = config.hashes_per_chunk(group)

@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 
 from kvferry.core.blocks import GroupBlocks
+from kvferry.core.checks import check_count
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
@@ -135,13 +136,12 @@ def plan_store(
     """
     state.check_matches(config)
     check_block_lists(config, state, blocks)
-    if min(num_computed_tokens, num_scheduled_tokens, num_tokens) < 0:
-        raise InvalidInputError(
-            request=state.request_id,
-            field="num_computed_tokens/num_scheduled_tokens/num_tokens",
-            expected="non-negative integers",
-            got=(num_computed_tokens, num_scheduled_tokens, num_tokens),
-        )
+    for field, value in (
+        ("num_computed_tokens", num_computed_tokens),
+        ("num_scheduled_tokens", num_scheduled_tokens),
+        ("num_tokens", num_tokens),
+    ):
+        check_count(value, request=state.request_id, field=field)
     done = stored_tokens_after_step(
         config,
         state,

@@ -44,7 +44,10 @@ class TensorGeometry:
 
 def _interface_geometry(interface: dict[str, Any], on_gpu: bool) -> TensorGeometry:
     shape = tuple(int(s) for s in interface["shape"])
-    itemsize = int(str(interface["typestr"])[2:])
+    typestr = str(interface["typestr"])
+    if typestr[1:2] not in ("b", "i", "u", "f", "c", "V"):  # no object pointers, no text
+        raise InvalidInputError(field="dtype", expected="a numeric dtype", got=typestr)
+    itemsize = int(typestr[2:])
     byte_strides = interface.get("strides")
     if byte_strides is None:
         strides, step = [], 1
@@ -116,7 +119,14 @@ def build_layout(
         for item in tensors:
             if not isinstance(item, KVTensor):
                 raise InvalidInputError(group=g, field="kv_caches", expected="KVTensor", got=item)
-            geometry = tensor_geometry(item.tensor)
+            try:
+                geometry = tensor_geometry(item.tensor)
+            except InvalidInputError as error:  # name the group
+                if error.group is not None:
+                    raise
+                raise InvalidInputError(
+                    group=g, field=error.field, expected=error.expected, got=error.got
+                ) from error
             if geometry.on_gpu != on_gpu:
                 where = "CUDA" if on_gpu else "host"
                 raise InvalidInputError(
