@@ -18,6 +18,15 @@ from typing import Any, TextIO
 import attrs
 
 
+class Benchmark(enum.Enum):
+    """The benchmark scripts `kvferry bench` knows; the value is the script's name."""
+
+    TRANSFER = "transfer"
+    """`benchmarks/transfer.py`: GB/s per executor, direction and page size (needs a GPU)."""
+    PLANNER = "planner"
+    """`benchmarks/planner.py`: planning time (skipped while the script is absent)."""
+
+
 class BenchStatus(enum.Enum):
     """How one benchmark went."""
 
@@ -33,8 +42,8 @@ class BenchStatus(enum.Enum):
 class BenchOutcome:
     """What happened to one benchmark."""
 
-    name: str
-    """`transfer` or `planner`."""
+    benchmark: Benchmark
+    """Which benchmark."""
     status: BenchStatus
     """Ran, failed or skipped."""
     reason: str = ""
@@ -74,51 +83,61 @@ def run_benchmarks(
     *,
     benchmarks: Path,
     out: Path,
-    which: Sequence[str] = ("transfer", "planner"),
+    which: Sequence[Benchmark] = tuple(Benchmark),
     extra: Sequence[str] = (),
     runner: Runner = _run,
     has_gpu: Callable[[], bool] = cuda_available,
     log: TextIO = sys.stderr,
 ) -> list[BenchOutcome]:
-    """Run the benchmarks named in `which` from the folder `benchmarks`, writing JSON (and
-    PNG plots, when matplotlib is importable) under `out`; return one outcome per benchmark.
+    """Run the benchmarks in `which` from the folder `benchmarks`, writing JSON (and a PNG
+    per benchmark, when matplotlib is importable) under `out`; return one outcome each.
 
     `transfer` needs a CUDA GPU and is skipped without one; `planner` is skipped when its
     script is absent. `extra` arguments go to every script.
     """
     out.mkdir(parents=True, exist_ok=True)
     outcomes = []
-    for name in which:
+    for benchmark in which:
+        name = benchmark.value
         script = benchmarks / f"{name}.py"
         if not script.is_file():
             outcomes.append(
-                BenchOutcome(name=name, status=BenchStatus.SKIPPED, reason=f"{script} not found")
+                BenchOutcome(
+                    benchmark=benchmark, status=BenchStatus.SKIPPED, reason=f"{script} not found"
+                )
             )
             continue
         if name == "transfer" and not has_gpu():
             outcomes.append(
                 BenchOutcome(
-                    name=name, status=BenchStatus.SKIPPED, reason="needs torch and a CUDA GPU"
+                    benchmark=benchmark,
+                    status=BenchStatus.SKIPPED,
+                    reason="needs torch and a CUDA GPU",
                 )
             )
             continue
         json_path = out / f"{name}.json"
         command = [sys.executable, str(script), *extra]
-        if name == "transfer" or _help_mentions(script, "--json"):
+        if benchmark is Benchmark.TRANSFER or _help_mentions(script, "--json"):
             command += ["--json", str(json_path)]
         print(f"kvferry bench: {' '.join(command)}", file=log)
         status = runner(command)
         if status != 0:
             outcomes.append(
-                BenchOutcome(name=name, status=BenchStatus.FAILED, reason=f"exit status {status}")
+                BenchOutcome(
+                    benchmark=benchmark, status=BenchStatus.FAILED, reason=f"exit status {status}"
+                )
             )
             continue
         written = json_path if json_path.is_file() else None
         plot = None
-        if written is not None and name == "transfer":
-            plot = plot_transfer(written, out / "transfer.png", log=log)
+        if written is not None:
+            draw = plot_transfer if benchmark is Benchmark.TRANSFER else plot_planner
+            plot = draw(written, out / f"{name}.png", log=log)
         outcomes.append(
-            BenchOutcome(name=name, status=BenchStatus.RAN, json_path=written, plot_path=plot)
+            BenchOutcome(
+                benchmark=benchmark, status=BenchStatus.RAN, json_path=written, plot_path=plot
+            )
         )
     return outcomes
 
@@ -127,17 +146,9 @@ def plot_transfer(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path
     """Draw GB/s against page size per executor and direction, with the pinned-copy ceilings,
     from `benchmarks/transfer.py`'s JSON; return the PNG's path, or None (and say so on `log`)
     when matplotlib is not installed."""
-    if importlib.util.find_spec("matplotlib") is None:
-        print(
-            "kvferry bench: matplotlib is not installed, no plot drawn "
-            "(pip install matplotlib, or the proposed 'kvferry[bench]' extra)",
-            file=log,
-        )
+    plt = _pyplot(log)
+    if plt is None:
         return None
-    matplotlib: Any = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")
-    plt: Any = importlib.import_module("matplotlib.pyplot")
-
     data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for row in data.get("results", []):
@@ -160,8 +171,60 @@ def plot_transfer(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path
     axis.set_xlabel("page (KiB)")
     axis.set_ylabel("GB/s")
     axis.set_title(f"kvferry transfer, {data.get('device', 'GPU')}")
-    axis.legend(fontsize=7)
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(png, dpi=120)
     plt.close(figure)
     return png
+
+
+def plot_planner(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path | None:
+    """Draw planning milliseconds against `F` (lookup, lookup + load plan, store step) from
+    `benchmarks/planner.py`'s JSON; return the PNG's path, or None (said on `log`) without
+    matplotlib."""
+    plt = _pyplot(log)
+    if plt is None:
+        return None
+    data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
+    curves = (
+        ("lookup", "lookup_ms", "lookup"),
+        ("lookup", "lookup_and_load_ms", "lookup + load plan"),
+        ("store", "step_ms_mean", "store planning per step (mean)"),
+    )
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for section, field, label in curves:
+        rows = [r for r in data.get(section, []) if field in r and "blocks_per_chunk" in r]
+        if rows:
+            rows.sort(key=lambda r: int(r["blocks_per_chunk"]))
+            axis.plot(
+                [int(r["blocks_per_chunk"]) for r in rows],
+                [float(r[field]) for r in rows],
+                marker="o",
+                label=label,
+            )
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("blocks per chunk (F)")
+    axis.set_ylabel("ms")
+    axis.set_title(f"kvferry planner, {data.get('machine', '')}")
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(png, dpi=120)
+    plt.close(figure)
+    return png
+
+
+def _pyplot(log: TextIO) -> Any:
+    """Return matplotlib.pyplot on the Agg backend, or None (said on `log`) when matplotlib is
+    not installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print(
+            "kvferry bench: matplotlib is not installed, no plot drawn "
+            "(pip install matplotlib, or the proposed 'kvferry[bench]' extra)",
+            file=log,
+        )
+        return None
+    matplotlib: Any = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")

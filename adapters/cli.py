@@ -61,16 +61,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvferry.adapters.bench import BenchStatus, run_benchmarks
+    from kvferry.adapters.bench import Benchmark, BenchStatus, run_benchmarks
 
     outcomes = run_benchmarks(
         benchmarks=Path(args.benchmarks),
         out=Path(args.out),
-        which=args.only or ("transfer", "planner"),
+        which=[Benchmark(name) for name in args.only] if args.only else tuple(Benchmark),
         extra=args.args,
     )
     for outcome in outcomes:
-        line = f"{outcome.name}: {outcome.status.value}"
+        line = f"{outcome.benchmark.value}: {outcome.status.value}"
         if outcome.reason:
             line += f" ({outcome.reason})"
         for path in (outcome.json_path, outcome.plot_path):

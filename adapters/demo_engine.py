@@ -230,7 +230,7 @@ class DemoEngine:
 
     def _step(self) -> None:
         self._collect(self._executor.poll())
-        admitted = self._admit()
+        self._admit()
         if not self._running:
             if not self._jobs:
                 head = self._waiting[0].turn.request_id if self._waiting else "none"
@@ -240,7 +240,6 @@ class DemoEngine:
                 )
             self._drain()
             return
-        del admitted
         self.tally.steps += 1
         scheduled = self._schedule()
         batch = ForwardBatch.empty(len(self._pools))
@@ -255,8 +254,8 @@ class DemoEngine:
 
     # -- admission -------------------------------------------------------------------------------
 
-    def _admit(self) -> int:
-        admitted = 0
+    def _admit(self) -> None:
+        """Admit waiting requests in order while they fit (those told to retry wait)."""
         skipped: list[_Request] = []
         while self._waiting and len(self._running) < MAX_RUNNING:
             request = self._waiting.popleft()
@@ -267,9 +266,7 @@ class DemoEngine:
             if not outcome:
                 self._waiting.appendleft(request)
                 break
-            admitted += 1
         self._waiting.extendleft(reversed(skipped))
-        return admitted
 
     def _gpu_hit(self, request: _Request) -> int:
         """Return the tokens the engine's own prefix cache holds for `request` (block aligned,

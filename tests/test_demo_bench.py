@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.adapters.bench import BenchStatus, plot_transfer, run_benchmarks
+from kvferry.adapters import cli
+from kvferry.adapters.bench import (
+    Benchmark,
+    BenchStatus,
+    plot_planner,
+    plot_transfer,
+    run_benchmarks,
+)
 
 
 class Recorder:
@@ -42,7 +49,7 @@ def test_the_transfer_benchmark_is_skipped_without_a_gpu(tmp_path: Path) -> None
     (outcome,) = run_benchmarks(
         benchmarks=scripts(tmp_path, "transfer"),
         out=tmp_path / "out",
-        which=["transfer"],
+        which=[Benchmark.TRANSFER],
         runner=runner,
         has_gpu=lambda: False,
         log=io.StringIO(),
@@ -56,7 +63,7 @@ def test_an_absent_planner_benchmark_is_skipped(tmp_path: Path) -> None:
     (outcome,) = run_benchmarks(
         benchmarks=scripts(tmp_path),
         out=tmp_path / "out",
-        which=["planner"],
+        which=[Benchmark.PLANNER],
         runner=Recorder(),
         log=io.StringIO(),
     )
@@ -69,7 +76,7 @@ def test_the_transfer_benchmark_runs_with_a_json_path_on_a_gpu(tmp_path: Path) -
     (outcome,) = run_benchmarks(
         benchmarks=scripts(tmp_path, "transfer"),
         out=tmp_path / "out",
-        which=["transfer"],
+        which=[Benchmark.TRANSFER],
         extra=["--repeat", "1"],
         runner=runner,
         has_gpu=lambda: True,
@@ -86,7 +93,7 @@ def test_a_failing_benchmark_is_reported_failed(tmp_path: Path) -> None:
     (outcome,) = run_benchmarks(
         benchmarks=scripts(tmp_path, "planner"),
         out=tmp_path / "out",
-        which=["planner"],
+        which=[Benchmark.PLANNER],
         runner=Recorder(status=3),
         log=io.StringIO(),
     )
@@ -117,5 +124,27 @@ def test_the_plot_is_a_png_when_matplotlib_is_installed(tmp_path: Path) -> None:
     data = {"device": "GPU", "ceiling_gbps": {"store": 55.0}, "results": [row]}
     results.write_text(json.dumps(data), encoding="utf-8")
     png = plot_transfer(results, tmp_path / "transfer.png", log=io.StringIO())
+    assert png is not None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_command_reports_skips_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = scripts(tmp_path)
+    assert cli.main(["bench", "--benchmarks", str(folder), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "planner: skipped" in out
+    assert "transfer: skipped" in out
+
+
+def test_the_planner_plot_is_a_png_when_matplotlib_is_installed(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "planner.json"
+    rows = [
+        {"blocks_per_chunk": f, "lookup_ms": 1.0 / f, "lookup_and_load_ms": 2.0} for f in (1, 4)
+    ]
+    results.write_text(json.dumps({"machine": "m", "lookup": rows, "store": []}), encoding="utf-8")
+    png = plot_planner(results, tmp_path / "planner.png", log=io.StringIO())
     assert png is not None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
