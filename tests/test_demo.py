@@ -236,3 +236,20 @@ def test_a_page_that_is_not_whole_words_is_refused() -> None:
     odd = attrs.evolve(profile.groups[0], kv_heads=1, head_dim=63)
     with pytest.raises(InvalidInputError, match="multiple of 8"):
         check_profile(attrs.evolve(profile, groups=(odd, profile.groups[1])))
+
+
+@pytest.mark.parametrize("profile", [ProfileName.LLAMA, ProfileName.JAMBA], ids=lambda p: p.value)
+def test_long_answers_in_a_small_pool_preempt_and_still_verify(
+    profile: ProfileName, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tight = attrs.evolve(
+        PROFILES[profile],
+        gpu_blocks=120 if profile is ProfileName.LLAMA else 30,
+        answer_tokens=(300, 600),
+        system_prompt_tokens=(100, 300),
+    )
+    monkeypatch.setitem(PROFILES, profile, tight)
+    report = run_demo(DemoOptions(profile=profile, requests=16, seed=1))
+    assert report.preemptions > 0
+    assert report.requests == 16
+    assert report.pages_verified > 0
