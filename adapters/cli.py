@@ -96,7 +96,7 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the `kvferry` command."""
-    parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvferry", description=(__doc__ or "").split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="print the plans of a planner scenario (JSON)")
