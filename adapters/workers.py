@@ -1,0 +1,467 @@
+"""Tensor-parallel worker processes: one executor per rank's shard, driven by bound-plan messages.
+
+Standard-library multiprocessing only (spawn, one pipe per rank, no network protocol of its own);
+workers never plan: they run the jobs the scheduler side sends and report what ended.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NoReturn, Protocol
+
+import attrs
+
+from kvferry.adapters.messages import Completions, decode_completions, encode_jobs
+from kvferry.adapters.session import CompletionReport, OffloadSession, RecomputeRange
+from kvferry.adapters.vllm import ConnectorMetadata, KvferryConnectorWorker
+from kvferry.core.bound import BoundPlan
+from kvferry.core.errors import InvalidInputError, KvferryError
+from kvferry.executors.base import Executor
+
+DEFAULT_REPLY_TIMEOUT = 120.0
+"""Seconds a rank may take to answer one command before it counts as hung."""
+DEFAULT_START_TIMEOUT = 180.0
+"""Seconds a rank may take to start (spawn, imports, CUDA initialisation, allocations)."""
+
+Handler = Callable[[Any], Any]
+"""A shard's extra command: takes a picklable payload, returns a picklable value."""
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+class WorkerError(KvferryError):
+    """A worker process failed; `rank` says which."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        self.rank = rank
+        self.reason = reason
+        super().__init__(f"worker rank {rank}: {reason}")
+
+
+class WorkerCrashedError(WorkerError):
+    """A worker process ended without being asked to (or its pipe broke)."""
+
+    def __init__(self, rank: int, exitcode: int | None) -> None:
+        self.exitcode = exitcode
+        super().__init__(rank, f"process ended unexpectedly (exit code {exitcode})")
+
+
+class WorkerTimeoutError(WorkerError):
+    """A worker process did not answer within the timeout (it is presumed hung)."""
+
+    def __init__(self, rank: int, seconds: float, command: str) -> None:
+        self.seconds = seconds
+        self.command = command
+        super().__init__(rank, f"no answer to {command!r} within {seconds:g} s")
+
+
+class WorkerRaisedError(WorkerError):
+    """A command raised inside a worker process; the worker is still running."""
+
+    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str) -> None:
+        self.error_type = error_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(rank, f"{error_type}: {message}")
+
+
+# -- what a rank runs ------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class WorkerShard:
+    """What one rank owns: the executor over its shard, and extra commands it answers."""
+
+    executor: Executor
+    """The executor registered over this rank's KV tensors (its share of the KV heads)."""
+    handlers: Mapping[str, Handler] = attrs.field(factory=dict)
+    """Extra commands by name (`WorkerPool.call`), e.g. to write or read pages in a demo."""
+
+
+class ShardFactory(Protocol):
+    """Builds a rank's shard inside its worker process; must be picklable (a module-level
+    function, or an instance of a module-level class), since it travels to a spawned process."""
+
+    def __call__(self, rank: int, world_size: int) -> WorkerShard:
+        """Return the shard of `rank` out of `world_size` (allocate its tensors here)."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class WorkerInfo:
+    """What a rank says of itself once started."""
+
+    rank: int
+    """Its rank."""
+    pid: int
+    """Its process id."""
+    device: str
+    """Where its KV tensors live (`cpu`, `cuda:N`)."""
+    layout_fingerprint: str
+    """Its executor's layout fingerprint (the same on every rank of one job)."""
+    row_bytes: int
+    """Bytes of one CPU-tier row."""
+    num_rows: int
+    """Rows of its CPU tier."""
+
+
+# -- the worker process ----------------------------------------------------------------------------
+
+_STEP = "step"
+_CALL = "call"
+_CLOSE = "close"
+_OK = "ok"
+_ERROR = "error"
+
+
+def _error_reply(error: BaseException) -> tuple[str, str, str, str]:
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return (_ERROR, type(error).__name__, str(error), text)
+
+
+def _serve(conn: multiprocessing.connection.Connection, shard: WorkerShard, rank: int) -> None:
+    connector = KvferryConnectorWorker(shard.executor, rank=rank)
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # the scheduler side is gone: drain, and leave
+                return
+            tag = message[0]
+            try:
+                if tag == _STEP:
+                    _, jobs, flush = message
+                    connector.bind_connector_metadata(ConnectorMetadata(jobs=jobs, flush=flush))
+                    connector.start_load_kv()
+                    connector.wait_for_save()
+                    reply: tuple[Any, ...] = (_OK, connector.get_finished())
+                elif tag == _CALL:
+                    _, name, payload = message
+                    handler = shard.handlers.get(name)
+                    if handler is None:
+                        raise InvalidInputError(
+                            field="command",
+                            expected="one of " + ", ".join(sorted(shard.handlers)),
+                            got=name,
+                        )
+                    reply = (_OK, handler(payload))
+                elif tag == _CLOSE:
+                    conn.send((_OK, connector.shutdown()))
+                    return
+                else:
+                    raise InvalidInputError(field="message", expected="a known command", got=tag)
+            except Exception as error:
+                reply = _error_reply(error)
+            conn.send(reply)
+    finally:
+        connector.executor.close()
+
+
+def worker_main(
+    conn: multiprocessing.connection.Connection,
+    factory: ShardFactory,
+    rank: int,
+    world_size: int,
+) -> None:
+    """Run one rank: build its shard, say so, then answer the scheduler side's commands until
+    it says close (drain the executor, report what was left) or hangs up.
+
+    This is the target of the spawned process; SIGINT is ignored here, so that a Ctrl-C reaches
+    the scheduler side, which then shuts the workers down in order.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        shard = factory(rank, world_size)
+        if not isinstance(shard, WorkerShard):
+            raise InvalidInputError(field="factory", expected="a WorkerShard", got=shard)
+        executor = shard.executor
+        info = WorkerInfo(
+            rank=rank,
+            pid=os.getpid(),
+            device=executor.device,
+            layout_fingerprint=executor.layout.fingerprint,
+            row_bytes=executor.layout.row_bytes,
+            num_rows=executor.host_tier.num_rows,
+        )
+    except Exception as error:
+        conn.send(_error_reply(error))
+        conn.close()
+        return
+    conn.send((_OK, info))
+    try:
+        _serve(conn, shard, rank)
+    finally:
+        conn.close()
+
+
+# -- the scheduler side ----------------------------------------------------------------------------
+
+
+@attrs.define
+class _Rank:
+    rank: int
+    process: Any
+    conn: multiprocessing.connection.Connection
+
+
+class WorkerPool:
+    """`world_size` worker processes, one per rank, each running the same jobs on its shard.
+
+    Every command goes to every rank and waits for every answer, with a timeout: a rank that
+    dies raises WorkerCrashedError, one that does not answer WorkerTimeoutError, one whose
+    command raised WorkerRaisedError — each naming the rank. After a crash or a timeout the pool
+    is broken: it refuses further commands, and `close` ends the processes that are left.
+    """
+
+    def __init__(
+        self,
+        factory: ShardFactory,
+        world_size: int,
+        *,
+        reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
+    ) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise InvalidInputError(field="world_size", expected="an integer >= 1", got=world_size)
+        for name, value in (("reply_timeout", reply_timeout), ("start_timeout", start_timeout)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidInputError(field=name, expected="seconds > 0", got=value)
+        self._timeout = float(reply_timeout)
+        self._broken: WorkerError | None = None
+        self._closed = False
+        context = multiprocessing.get_context("spawn")
+        self._ranks: list[_Rank] = []
+        try:
+            for rank in range(world_size):
+                ours, theirs = context.Pipe(duplex=True)
+                process = context.Process(
+                    target=worker_main,
+                    args=(theirs, factory, rank, world_size),
+                    name=f"kvferry-worker-{rank}",
+                    daemon=True,
+                )
+                process.start()
+                theirs.close()  # only the child holds its end: its death reads as EOF here
+                self._ranks.append(_Rank(rank=rank, process=process, conn=ours))
+            infos = self._gather("start", float(start_timeout))
+        except BaseException:
+            self.terminate()
+            raise
+        self._infos: tuple[WorkerInfo, ...] = tuple(infos)
+        first = self._infos[0].layout_fingerprint
+        for info in self._infos[1:]:
+            if info.layout_fingerprint != first:
+                self.close()
+                raise InvalidInputError(
+                    field=f"layout_fingerprint of rank {info.rank}",
+                    expected=f"rank 0's {first}",
+                    got=info.layout_fingerprint,
+                )
+
+    # -- reading -------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of ranks."""
+        return len(self._ranks)
+
+    @property
+    def infos(self) -> tuple[WorkerInfo, ...]:
+        """Return what each rank said of itself at start, by rank."""
+        return self._infos
+
+    @property
+    def layout_fingerprint(self) -> str:
+        """Return the layout fingerprint every rank shares (bind plans to it)."""
+        return self._infos[0].layout_fingerprint
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def submit(
+        self, jobs: Sequence[BoundPlan] | bytes, *, flush: Iterable[int] = ()
+    ) -> tuple[Completions, ...]:
+        """Send `jobs` (bound plans, or an `encode_jobs` message) to every rank; each first
+        waits for its `flush` jobs still in flight, then submits loads before stores.
+
+        Returns, per rank, the jobs that ended since its last report (feed them to
+        `report_all`). The jobs run asynchronously on GPU executors.
+        """
+        message = jobs if isinstance(jobs, bytes) else encode_jobs(jobs)
+        return self._step(message, tuple(int(j) for j in flush))
+
+    def poll(self) -> tuple[Completions, ...]:
+        """Return, per rank, the jobs that ended since its last report."""
+        return self._step(encode_jobs(()), ())
+
+    def wait(self, job_ids: Iterable[int]) -> tuple[Completions, ...]:
+        """Block until the given jobs end on every rank; return, per rank, every job that ended
+        since its last report (those and any others). Jobs a rank already reported are skipped.
+        """
+        return self._step(encode_jobs(()), tuple(int(j) for j in job_ids))
+
+    def call(self, name: str, payload: Any = None) -> tuple[Any, ...]:
+        """Run the shards' extra command `name` with the same `payload` on every rank; return
+        the answers by rank."""
+        return self.call_each(name, [payload] * self.world_size)
+
+    def call_each(self, name: str, payloads: Sequence[Any]) -> tuple[Any, ...]:
+        """Run the shards' extra command `name` on every rank, with `payloads[rank]`; return
+        the answers by rank."""
+        if len(payloads) != self.world_size:
+            raise InvalidInputError(
+                field="payloads", expected=f"one per rank ({self.world_size})", got=len(payloads)
+            )
+        self._check_usable()
+        for entry, payload in zip(self._ranks, payloads, strict=True):
+            self._send(entry, (_CALL, name, payload))
+        return tuple(self._gather(name, self._timeout))
+
+    def close(self) -> tuple[Completions, ...]:
+        """Drain every rank (each waits for its jobs and closes its executor) and end the
+        processes; return, per rank, the jobs that were still unreported (idempotent: a second
+        call returns nothing). A broken pool ends its processes and returns nothing."""
+        if self._closed:
+            return ()
+        if self._broken is not None:
+            self.terminate()
+            return ()
+        try:
+            for entry in self._ranks:
+                self._send(entry, (_CLOSE,))
+            replies = self._gather("close", self._timeout)
+        except BaseException:
+            self.terminate()
+            raise
+        for entry in self._ranks:
+            entry.process.join(self._timeout)
+        self.terminate()
+        return tuple(self._completions(replies))
+
+    def terminate(self) -> None:
+        """End every worker process now, without draining (what a failure leaves to do)."""
+        self._closed = True
+        for entry in self._ranks:
+            entry.conn.close()
+            if entry.process.is_alive():
+                entry.process.terminate()
+        for entry in self._ranks:
+            entry.process.join(5.0)
+            if entry.process.is_alive():
+                entry.process.kill()
+                entry.process.join()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self.terminate()
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._closed:
+            raise InvalidInputError(field="pool", expected="an open worker pool", got="closed")
+
+    def _step(self, jobs: bytes, flush: tuple[int, ...]) -> tuple[Completions, ...]:
+        self._check_usable()
+        for entry in self._ranks:
+            self._send(entry, (_STEP, jobs, flush))
+        return tuple(self._completions(self._gather("jobs", self._timeout)))
+
+    def _completions(self, replies: list[Any]) -> list[Completions]:
+        out = []
+        for entry, data in zip(self._ranks, replies, strict=True):
+            completions = decode_completions(data)
+            if completions.worker != entry.rank:
+                raise InvalidInputError(
+                    field="worker",
+                    expected=f"rank {entry.rank} on its own pipe",
+                    got=completions.worker,
+                )
+            out.append(completions)
+        return out
+
+    def _send(self, entry: _Rank, message: tuple[Any, ...]) -> None:
+        try:
+            entry.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            entry.process.join(1.0)
+            self._fail(WorkerCrashedError(entry.rank, entry.process.exitcode))
+
+    def _fail(self, error: WorkerError) -> NoReturn:
+        self._broken = error
+        raise error
+
+    def _gather(self, command: str, timeout: float) -> list[Any]:
+        """Receive one answer from every rank; raise the lowest rank's error once all answered
+        (a crash or a timeout at once: the pipes are out of step from then on)."""
+        deadline = time.monotonic() + timeout
+        answers: dict[int, Any] = {}
+        raised: list[WorkerRaisedError] = []
+        pending = {entry.rank: entry for entry in self._ranks}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(WorkerTimeoutError(min(pending), timeout, command))
+            waitables: list[Any] = [e.conn for e in pending.values()]
+            waitables += [e.process.sentinel for e in pending.values()]
+            multiprocessing.connection.wait(waitables, timeout=left)
+            for rank, entry in sorted(pending.items()):
+                try:
+                    if not entry.conn.poll():
+                        if not entry.process.is_alive():
+                            entry.process.join(1.0)
+                            self._fail(WorkerCrashedError(rank, entry.process.exitcode))
+                        continue
+                    reply = entry.conn.recv()
+                except (EOFError, OSError):
+                    entry.process.join(1.0)
+                    self._fail(WorkerCrashedError(rank, entry.process.exitcode))
+                del pending[rank]
+                if reply[0] == _OK:
+                    answers[rank] = reply[1]
+                else:
+                    _, error_type, message, remote = reply
+                    raised.append(WorkerRaisedError(rank, error_type, message, remote))
+        if raised:
+            if command == "start":
+                self._broken = raised[0]
+            raise raised[0]
+        return [answers[entry.rank] for entry in self._ranks]
+
+
+def report_all(session: OffloadSession, completions: Iterable[Completions]) -> CompletionReport:
+    """Report every rank's results to `session` (its `world_size` must be the pool's); return
+    one CompletionReport merging what completed — a job completes once every rank reported it.
+
+    Reports are applied rank by rank; if one raises (a rank reported a job twice, say), the
+    ranks before it stay recorded.
+    """
+    completed: list[int] = []
+    failed: list[int] = []
+    recompute: list[RecomputeRange] = []
+    released: list[str] = []
+    for part in completions:
+        report = session.report(part.worker, part.results)
+        completed.extend(report.completed)
+        failed.extend(report.failed)
+        recompute.extend(report.recompute)
+        released.extend(report.released)
+    return CompletionReport(
+        completed=tuple(completed),
+        failed=tuple(failed),
+        recompute=tuple(recompute),
+        released=tuple(released),
+    )

@@ -1,0 +1,257 @@
+"""Worker processes (`kvferry.adapters.workers`): real spawned processes with the cpu executor,
+each rank over its own shard; byte-exact round trips, world-size counting, failures by rank."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import pytest
+from session_fakes import blocks, prefix_hashes
+
+from kvferry.adapters.session import OffloadSession, RunningRequest
+from kvferry.adapters.workers import (
+    WorkerCrashedError,
+    WorkerPool,
+    WorkerRaisedError,
+    WorkerShard,
+    WorkerTimeoutError,
+    report_all,
+)
+from kvferry.core.bound import BoundPlan
+from kvferry.core.catalog import Catalog, CatalogConfig
+from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
+from kvferry.core.errors import InvalidInputError
+from kvferry.core.layout import TensorLayout
+from kvferry.executors import KVTensor, make_executor
+from kvferry.executors.cpu import CpuExecutor
+
+CONFIG = OffloadConfig(
+    hash_block_size=4,
+    blocks_per_chunk=2,
+    groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=4),),
+)
+NUM_BLOCKS = 24
+LAYERS = 2
+HEADS = 4
+"""KV heads of the whole model; each of the ranks holds HEADS / world_size of them."""
+HEAD_BYTES = 16
+NUM_ROWS = 8
+
+
+def shard_tensor(rank: int, layer: int, heads: int) -> npt.NDArray[np.uint8]:
+    """Return what a rank's layer holds at start: bytes derived from (rank, layer)."""
+    rng = np.random.default_rng([rank, layer])
+    return rng.integers(0, 256, size=(NUM_BLOCKS, 2, heads * HEAD_BYTES), dtype=np.uint8)
+
+
+class SlowCpuExecutor(CpuExecutor):
+    """The cpu executor, but a job only counts as ended `delay` seconds after its submission."""
+
+    name = "slow-cpu"
+    delay = 0.3
+
+    def _enqueue(self, bound: BoundPlan, pages: Any) -> float:
+        super()._enqueue(bound, pages)
+        return time.monotonic() + self.delay
+
+    def _done(self, handle: float) -> bool:
+        return time.monotonic() >= handle
+
+    def _finish(self, handle: float) -> float:
+        time.sleep(max(handle - time.monotonic(), 0.0))
+        return self.delay
+
+
+@attrs.frozen
+class HostShard:
+    """A rank's shard on host memory: LAYERS blocks-first tensors of HEADS / world_size heads."""
+
+    slow: bool = False
+    odd_rank_heads: int | None = None
+    fail_rank: int | None = None
+
+    def __call__(self, rank: int, world_size: int) -> WorkerShard:
+        if rank == self.fail_rank:
+            raise InvalidInputError(field="shard", expected="a shard", got=f"rank {rank} refuses")
+        heads = HEADS // world_size
+        if rank % 2 and self.odd_rank_heads is not None:
+            heads = self.odd_rank_heads
+        tensors = [shard_tensor(rank, layer, heads) for layer in range(LAYERS)]
+        kv = [[KVTensor(tensor=t, layout=TensorLayout.BLOCKS_FIRST) for t in tensors]]
+        if self.slow:
+            executor: Any = SlowCpuExecutor(kv_caches=kv, blocks_per_chunk=2, num_rows=NUM_ROWS)
+        else:
+            executor = make_executor("cpu", kv_caches=kv, blocks_per_chunk=2, num_rows=NUM_ROWS)
+
+        def pages(ids: Sequence[int]) -> list[bytes]:
+            return [t[list(ids)].tobytes() for t in tensors]
+
+        def zero(ids: Sequence[int]) -> None:
+            for t in tensors:
+                t[list(ids)] = 0
+
+        def crash(code: int | None) -> None:
+            if code is not None:
+                os._exit(code)
+
+        def sleep(seconds: float) -> None:
+            time.sleep(seconds)
+
+        handlers = {"pages": pages, "zero": zero, "crash": crash, "sleep": sleep}
+        return WorkerShard(executor=executor, handlers=handlers)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WorkerPool]:
+    """Two healthy ranks, shared by the tests that leave them healthy."""
+    with WorkerPool(HostShard(), 2, reply_timeout=30) as workers:
+        yield workers
+
+
+def new_session(pool: WorkerPool) -> OffloadSession:
+    """Return a session counting the pool's ranks, bound to their layout."""
+    catalog = Catalog(CatalogConfig(capacity_rows=NUM_ROWS))
+    return OffloadSession(
+        CONFIG, catalog, world_size=pool.world_size, layout_fingerprint=pool.layout_fingerprint
+    )
+
+
+def store_prompt(
+    session: OffloadSession, request: str, ids: list[int], family: int = 0
+) -> BoundPlan:
+    """Return the store job of a request whose prompt fills `ids` (prefix family `family`)."""
+    step = session.start_stores(
+        [
+            RunningRequest(
+                request_id=request,
+                blocks=[blocks(ids)],
+                num_computed_tokens=0,
+                num_scheduled_tokens=4 * len(ids),
+                num_tokens=4 * len(ids),
+                block_hashes=prefix_hashes(len(ids), family=family),
+            )
+        ]
+    )
+    (job,) = step.jobs
+    return job
+
+
+def test_a_stored_prompt_loads_back_byte_exact_on_every_rank(pool: WorkerPool) -> None:
+    session = new_session(pool)
+    first, second = [3, 7, 1, 5], [20, 11, 12, 9, 2]
+    report_all(session, pool.submit([store_prompt(session, "r1", first)]))
+    session.finish("r1")
+    before = pool.call("pages", first)
+    pool.call("zero", first)
+    hashes = prefix_hashes(4)
+    session.lookup("r2", block_hashes=hashes, num_tokens=17, num_computed_tokens=0)
+    load = session.start_load("r2", [blocks(second)], num_computed_tokens=0, hit_tokens=16)
+    assert load is not None
+    report = report_all(session, pool.submit([load]))
+    assert report.completed == (load.job_id,)
+    assert pool.call("pages", second[:4]) == before
+
+
+def test_each_rank_moves_its_own_bytes(pool: WorkerPool) -> None:
+    ids = [4, 6]
+    rank0, rank1 = pool.call("pages", ids)
+    assert rank0 == [shard_tensor(0, layer, 2)[ids].tobytes() for layer in range(LAYERS)]
+    assert rank1 == [shard_tensor(1, layer, 2)[ids].tobytes() for layer in range(LAYERS)]
+    assert rank0 != rank1
+
+
+def test_a_job_completes_only_once_every_rank_reported(pool: WorkerPool) -> None:
+    session = new_session(pool)
+    job = store_prompt(session, "r3", [13, 14])
+    rank0, rank1 = pool.submit([job])
+    assert report_all(session, [rank0]).completed == ()
+    assert job.job_id in session.in_flight()
+    assert report_all(session, [rank1]).completed == (job.job_id,)
+    assert session.in_flight() == frozenset()
+
+
+def test_every_rank_reports_under_its_own_rank(pool: WorkerPool) -> None:
+    session = new_session(pool)
+    completions = pool.submit([store_prompt(session, "r4", [15, 16])])
+    assert [c.worker for c in completions] == [0, 1]
+
+
+def test_a_plan_for_another_layout_is_refused_by_the_ranks(pool: WorkerPool) -> None:
+    session = new_session(pool)
+    job = attrs.evolve(store_prompt(session, "r5", [17, 18]), layout_fingerprint="other")
+    with pytest.raises(WorkerRaisedError) as caught:
+        pool.submit([job])
+    assert (caught.value.rank, caught.value.error_type) == (0, "InvalidInputError")
+
+
+def test_a_command_raising_in_a_worker_names_the_rank_and_keeps_the_pool(
+    pool: WorkerPool,
+) -> None:
+    with pytest.raises(WorkerRaisedError, match="worker rank 0: InvalidInputError"):
+        pool.call("no-such-command")
+    assert [c.results for c in pool.poll()] == [(), ()]
+
+
+def test_ranks_start_with_one_layout_fingerprint(pool: WorkerPool) -> None:
+    assert {info.layout_fingerprint for info in pool.infos} == {pool.layout_fingerprint}
+    assert [info.rank for info in pool.infos] == [0, 1]
+
+
+def test_ranks_with_different_layouts_are_refused() -> None:
+    with pytest.raises(InvalidInputError, match="layout_fingerprint of rank 1"):
+        WorkerPool(HostShard(odd_rank_heads=1), 2, reply_timeout=30)
+
+
+def test_a_rank_failing_to_start_is_named() -> None:
+    with pytest.raises(WorkerRaisedError, match="worker rank 1: InvalidInputError"):
+        WorkerPool(HostShard(fail_rank=1), 2, reply_timeout=30)
+
+
+def test_a_dead_worker_raises_a_crash_naming_its_rank() -> None:
+    with WorkerPool(HostShard(), 2, reply_timeout=30) as workers:
+        with pytest.raises(WorkerCrashedError) as caught:
+            workers.call_each("crash", [None, 3])
+        assert (caught.value.rank, caught.value.exitcode) == (1, 3)
+        with pytest.raises(WorkerCrashedError):
+            workers.poll()  # a broken pool refuses further commands
+
+
+def test_a_hung_worker_raises_a_timeout_naming_its_rank() -> None:
+    started = time.monotonic()
+    with WorkerPool(HostShard(), 2, reply_timeout=1.0) as workers:
+        with pytest.raises(WorkerTimeoutError) as caught:
+            workers.call_each("sleep", [0.0, 60.0])
+        assert caught.value.rank == 1
+    assert time.monotonic() - started < 30
+
+
+def test_close_drains_jobs_still_running_and_reports_them() -> None:
+    workers = WorkerPool(HostShard(slow=True), 2, reply_timeout=30)
+    session = new_session(workers)
+    job = store_prompt(session, "r6", [3, 4])
+    assert [c.results for c in workers.submit([job])] == [(), ()]
+    drained = workers.close()
+    assert [[r.job_id for r in c.results] for c in drained] == [[job.job_id], [job.job_id]]
+    assert report_all(session, drained).completed == (job.job_id,)
+
+
+def test_close_ends_every_worker_process() -> None:
+    workers = WorkerPool(HostShard(), 2, reply_timeout=30)
+    pids = [info.pid for info in workers.infos]
+    workers.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_closed_pool_refuses_commands() -> None:
+    workers = WorkerPool(HostShard(), 1, reply_timeout=30)
+    workers.close()
+    with pytest.raises(InvalidInputError, match="closed"):
+        workers.poll()
