@@ -22,7 +22,7 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-# -- sources ---------------------------------------------------------------------------------------
+# -- sources --------------------------------------------------------------------------------------
 
 
 def test_defaults_select_the_cpu_executor_and_lru() -> None:
