@@ -268,11 +268,12 @@ class ForwardBatch:
     """The page writes of one step's "forward pass", gathered across requests per group."""
 
     slot_blocks: list[list[Words]]
-    """Per group, arrays of block ids of the token slots written (attention groups)."""
+    """Per group, arrays of the block id of each write (a token slot, or a Mamba state)."""
     slot_index: list[list[Words]]
-    """Per group, the slot of each written token inside its block."""
+    """Per attention group, the slot of each written token inside its block (Mamba: empty)."""
     slot_ids: list[list[Words]]
-    """Per group, the identity of each written token."""
+    """Per group, the identity each write derives from (the token's, or the state's last
+    token's)."""
 
     @classmethod
     def empty(cls, num_groups: int) -> ForwardBatch:
