@@ -221,7 +221,7 @@ def _pyplot(log: TextIO) -> Any:
     if importlib.util.find_spec("matplotlib") is None:
         print(
             "kvferry bench: matplotlib is not installed, no plot drawn "
-            "(pip install matplotlib, or the proposed 'kvferry[bench]' extra)",
+            "(pip install matplotlib, or the 'kvferry[bench]' extra)",
             file=log,
         )
         return None

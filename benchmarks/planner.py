@@ -198,29 +198,6 @@ def bench_store_steps(blocks_per_chunk: int, steps: int) -> dict[str, Any]:
     }
 
 
-def _plot(results: dict[str, Any], path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot written (pip install matplotlib)"
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, rows, key, target, title in (
-        (axes[0], results["lookup"], "lookup_and_load_ms", LOOKUP_TARGET_MS, "lookup + load"),
-        (axes[1], results["store"], "step_ms_mean", STORE_STEP_TARGET_MS, "store step (256)"),
-    ):
-        ax.bar([f"F={row['blocks_per_chunk']}" for row in rows], [row[key] for row in rows])
-        ax.axhline(target, color="red", linestyle="--", label=f"target {target} ms")
-        ax.set_title(title)
-        ax.set_ylabel("ms")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    return f"plot written to {path}"
-
-
 def main() -> int:
     """Run the planner benchmarks; print the table and the PASS/FAIL lines; return 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -261,10 +238,13 @@ def main() -> int:
     ):
         verdict = "PASS" if value <= target else "FAIL"
         print(f"{verdict}: {label}: {value:.3f} ms (target <= {target} ms, worst F)")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    json_path = args.json or (args.png.with_suffix(".json") if args.png else None)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     if args.png:
-        print(_plot(results, args.png))
+        from kvferry.adapters.bench import plot_planner  # draws `kvferry bench`'s plots too
+
+        plot_planner(json_path, args.png)
     return 0
 
 
