@@ -6,6 +6,14 @@ Effective GB/s is measured on the host clock from `submit()` to the end of `wait
 pinned copy in each direction, measured in the same run.
 
     python3 benchmarks/transfer.py --json bench-out/transfer.json
+
+`--gpus N` runs the same transfer on N GPUs at once, one worker process per GPU
+(`kvferry.adapters.workers`: the scheduler side sends each bound plan to every rank as message
+bytes and waits for all of them), and prints the aggregate GB/s against N x the single-GPU
+ceiling (rank 0's contiguous pinned copy, measured alone in the same run). With fewer GPUs than
+N it still runs N processes, ranks sharing GPUs round-robin, and says SHARED on every line: such
+a number is not a multi-GPU measurement. `--gpus N --variants cpu` runs the plumbing on host
+memory (the "ceiling" is then a host memcpy), for machines without a GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kvferry.core.bound import BoundPlan
@@ -24,6 +33,8 @@ from kvferry.core.layout import TensorLayout
 from kvferry.core.plan import Direction, TransferPlan
 from kvferry.executors import CopyPath, KVTensor, make_executor
 
+# `kvferry.adapters.workers` is imported by the `--gpus` path only.
+
 KIB = 1024
 DEFAULT_PAGES = "4,8,16,28,32,64,256,2048"
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -31,7 +42,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cupy": ("cupy", {"copy_path": CopyPath.STAGED}),
     "cupy-zero-copy": ("cupy", {"copy_path": CopyPath.ZERO_COPY}),
     "torch-64MiB": ("torch", {"staging_bytes": 64 << 20}),
+    "cpu": ("cpu", {}),
 }
+"""Variant name -> (executor name, executor options). `cpu` is for `--gpus` dry runs only."""
 
 
 def _ceiling(torch: Any, nbytes: int, repeat: int) -> dict[str, float]:
@@ -82,8 +95,237 @@ def _measure(executor: Any, bounds: list[BoundPlan]) -> tuple[float, float]:
     return statistics.median(totals[1:]), statistics.median(submits[1:])
 
 
-def main() -> None:
-    """Run the sweep; print the table; write JSON when asked."""
+# -- --gpus N: the same transfer on N GPUs at once, one worker process per GPU -----------------
+
+
+def _start_at(when: float | None) -> None:
+    """Sleep until the wall-clock time `when` (ranks start a concurrent copy together)."""
+    if when is not None:
+        time.sleep(max(when - time.time(), 0.0))
+
+
+def _pinned_copy_window(
+    torch: Any, direction: str, nbytes: int, repeat: int, start_at: float | None
+) -> dict[str, float]:
+    """Copy `nbytes` contiguously `repeat` times one way on this process's GPU, from
+    `start_at` on; return the wall-clock window (for aggregates across processes) and the
+    median CUDA-event time."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    device.random_(0, 255)
+    dst, src = (host, device) if direction == "store" else (device, host)
+    dst.copy_(src, non_blocking=True)  # warm-up
+    torch.cuda.synchronize()
+    times = []
+    _start_at(start_at)
+    start_wall = time.time()
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    end_wall = time.time()
+    del host, device
+    torch.cuda.empty_cache()
+    return {"start": start_wall, "end": end_wall, "median": statistics.median(times)}
+
+
+def _memcpy_window(
+    direction: str, nbytes: int, repeat: int, start_at: float | None
+) -> dict[str, float]:
+    """The `cpu` variant's stand-in for the pinned copy: a host memcpy, timed the same way."""
+    del direction
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    _start_at(start_at)
+    start_wall = time.time()
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return {"start": start_wall, "end": time.time(), "median": statistics.median(times)}
+
+
+@attrs.frozen(kw_only=True)
+class BenchShard:
+    """One rank of the `--gpus` benchmark: `layers` blocks-first tensors of `num_blocks` pages
+    on GPU `rank % device count` (host arrays for the `cpu` variant), an executor over them with
+    `num_rows` rows, and a `ceiling` command (a contiguous copy, or nothing for payload None)."""
+
+    variant: str
+    page_bytes: int
+    layers: int
+    num_blocks: int
+    num_rows: int
+    staging_bytes: int | None = None
+
+    def __call__(self, rank: int, world_size: int) -> Any:
+        """Build rank `rank`'s shard (runs inside its worker process)."""
+        from kvferry.adapters.workers import WorkerShard
+
+        name, options = VARIANTS[self.variant]
+        if self.staging_bytes is not None and name != "cpu":
+            options = {**options, "staging_bytes": self.staging_bytes}
+        shape = (self.num_blocks, 2, self.page_bytes // 2)
+        torch: Any = None
+        if name == "cpu":
+            tensors: list[Any] = [
+                np.random.default_rng([rank, layer]).integers(0, 255, shape, dtype=np.uint8)
+                for layer in range(self.layers)
+            ]
+        else:
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            tensors = [
+                torch.empty(shape, dtype=torch.uint8, device="cuda") for _ in range(self.layers)
+            ]
+            for tensor in tensors:
+                tensor.random_(0, 255)
+        kv = [[KVTensor(tensor=t, layout=TensorLayout.BLOCKS_FIRST) for t in tensors]]
+        executor = make_executor(
+            name, kv_caches=kv, blocks_per_chunk=1, num_rows=self.num_rows, **options
+        )
+
+        def ceiling(payload: dict[str, Any] | None) -> dict[str, float] | None:
+            if payload is None:
+                return None
+            if torch is None:
+                return _memcpy_window(**payload)
+            return _pinned_copy_window(torch, **payload)
+
+        return WorkerShard(executor=executor, handlers={"ceiling": ceiling})
+
+
+def _gpu_note(gpus: int, devices: list[str]) -> str:
+    distinct = sorted(set(devices))
+    where = ", ".join(f"rank {r}: {d}" for r, d in enumerate(devices))
+    if len(distinct) < gpus:
+        return (
+            f"SHARED: {gpus} processes on {len(distinct)} device(s) ({where}); fewer GPUs than "
+            f"--gpus {gpus}, so ranks share them: this is not a {gpus}-GPU measurement"
+        )
+    return f"{gpus} processes on {gpus} GPUs ({where})"
+
+
+def _ceilings(pool: Any, gpus: int, nbytes: int, repeat: int) -> dict[str, dict[str, float]]:
+    """Return, per direction, rank 0's ceiling alone and every rank's at once (aggregate)."""
+    out: dict[str, dict[str, float]] = {}
+    for direction in ("store", "load"):
+        payload: dict[str, Any] = {"direction": direction, "nbytes": nbytes, "repeat": repeat}
+        (alone, *_) = pool.call_each(
+            "ceiling", [{**payload, "start_at": None}] + [None] * (gpus - 1)
+        )
+        # every rank allocates and warms up, then all start at the same wall-clock second
+        together = pool.call("ceiling", {**payload, "start_at": time.time() + 2.0})
+        window = max(w["end"] for w in together) - min(w["start"] for w in together)
+        out[direction] = {
+            "single": nbytes / alone["median"] / 1e9,
+            "together": gpus * repeat * nbytes / window / 1e9,
+        }
+    return out
+
+
+def run_multi_gpu(args: argparse.Namespace) -> None:
+    """The `--gpus N` benchmark: one worker process per rank, the same bound plans broadcast to
+    every rank; aggregate GB/s = N x bytes per rank / (host time from the broadcast to the
+    last rank's end), against N x the single-GPU ceiling measured in the same run."""
+    from kvferry.adapters.workers import WorkerPool
+
+    gpus = args.gpus
+    total = int(args.gib * (1 << 30))
+    rng = np.random.default_rng(0)
+    ceiling: dict[str, dict[str, float]] | None = None
+    note = ""
+    rows_out: list[dict[str, Any]] = []
+    for page_kib in (int(p) for p in args.pages_kib.split(",")):
+        page = page_kib * KIB
+        moved = -(-total // (args.layers * page))
+        num_blocks = 2 * moved
+        for variant in args.variants.split(","):
+            shard = BenchShard(
+                variant=variant,
+                page_bytes=page,
+                layers=args.layers,
+                num_blocks=num_blocks,
+                num_rows=moved,
+                staging_bytes=None if args.staging_mib is None else args.staging_mib << 20,
+            )
+            with WorkerPool(shard, gpus) as pool:
+                if ceiling is None:
+                    note = _gpu_note(gpus, [info.device for info in pool.infos])
+                    print(note)
+                    ceiling = _ceilings(pool, gpus, total, args.repeat)
+                    copy_name = "host memcpy" if variant == "cpu" else "contiguous pinned copy"
+                    for way, label in (("store", "D2H"), ("load", "H2D")):
+                        c = ceiling[way]
+                        print(
+                            f"ceiling {way} {label} ({copy_name}, {args.gib} "
+                            f"GiB): rank 0 alone {c['single']:.1f} GB/s; all {gpus} at once "
+                            f"{c['together']:.1f} GB/s aggregate "
+                            f"({c['together'] / (gpus * c['single']):.2f} of {gpus} x alone)"
+                        )
+                    header = (
+                        f"{'executor':<15} {'dir':<6} {'page':>8} {'aggr GB/s':>10} "
+                        f"{'N x ceil':>9} {'ratio':>6} {'rank GB/s':>10}"
+                    )
+                    print(header)
+                    print("-" * len(header))
+                for direction in (Direction.STORE, Direction.LOAD):
+                    totals, ranks = [], []
+                    for job in range(args.repeat + 1):
+                        bound = _bound(
+                            job + 1,
+                            direction,
+                            rng.choice(num_blocks, size=moved, replace=False),
+                            rng.permutation(moved),
+                        )
+                        bound = attrs.evolve(bound, layout_fingerprint=pool.layout_fingerprint)
+                        start = time.perf_counter()
+                        done = [*pool.submit([bound]), *pool.wait([bound.job_id])]
+                        totals.append(time.perf_counter() - start)
+                        results = [r for c in done for r in c.results]
+                        if len(results) != gpus or not all(r.success for r in results):
+                            raise RuntimeError(f"job {bound.job_id}: {results}")
+                        ranks.append(max(r.seconds for r in results))
+                    nbytes = moved * args.layers * page
+                    aggregate = gpus * nbytes / statistics.median(totals[1:]) / 1e9
+                    per_rank = nbytes / statistics.median(ranks[1:]) / 1e9
+                    reference = gpus * ceiling[direction.value]["single"]
+                    ratio = aggregate / reference
+                    shared = "  SHARED" if note.startswith("SHARED") else ""
+                    print(
+                        f"{variant:<15} {direction.value:<6} {page_kib:>6}Ki {aggregate:>10.1f} "
+                        f"{reference:>9.1f} {ratio:>6.2f} {per_rank:>10.1f}{shared}",
+                        flush=True,
+                    )
+                    rows_out.append({
+                        "executor": variant,
+                        "direction": direction.value,
+                        "page_bytes": page,
+                        "layers": args.layers,
+                        "gpus": gpus,
+                        "bytes_per_rank": nbytes,
+                        "seconds": statistics.median(totals[1:]),
+                        "aggregate_gbps": aggregate,
+                        "reference_gbps": reference,
+                        "ratio_to_n_ceilings": ratio,
+                        "rank_copy_gbps": per_rank,
+                    })  # fmt: skip
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(
+                {"gpus": gpus, "note": note, "ceiling_gbps": ceiling, "results": rows_out},
+                handle,
+                indent=2,
+            )
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="torch,cupy,cupy-zero-copy")
     parser.add_argument("--pages-kib", default=DEFAULT_PAGES)
@@ -92,7 +334,26 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--staging-mib", type=int, default=None, help="default: the executor's")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="run on N GPUs at once (one process each) and print the aggregate GB/s",
+    )
+    return parser
+
+
+def main() -> None:
+    """Run the sweep; print the table; write JSON when asked."""
+    parser = _parser()
     args = parser.parse_args()
+    if args.gpus is not None:
+        if args.gpus < 1:
+            parser.error("--gpus: expected an integer >= 1")
+        run_multi_gpu(args)
+        return
+    if "cpu" in args.variants.split(","):
+        parser.error("--variants cpu: only with --gpus (a dry run of the multi-process path)")
 
     import torch
 
