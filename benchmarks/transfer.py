@@ -118,6 +118,8 @@ def _pinned_copy_window(
     torch.cuda.synchronize()
     times = []
     _start_at(start_at)
+    dst.copy_(src, non_blocking=True)  # after the idle wait, one more untimed copy
+    torch.cuda.synchronize()
     start_wall = time.time()
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -142,6 +144,7 @@ def _memcpy_window(
     np.copyto(dst, src)
     times = []
     _start_at(start_at)
+    np.copyto(dst, src)  # after the idle wait, one more untimed copy
     start_wall = time.time()
     for _ in range(repeat):
         start = time.perf_counter()
@@ -213,7 +216,8 @@ def _gpu_note(gpus: int, devices: list[str]) -> str:
 
 
 def _ceilings(pool: Any, gpus: int, nbytes: int, repeat: int) -> dict[str, dict[str, float]]:
-    """Return, per direction, rank 0's ceiling alone and every rank's at once (aggregate)."""
+    """Return, per direction, rank 0's ceiling alone and every rank's at once (aggregate), both
+    as bytes over the wall-clock window of `repeat` back-to-back copies."""
     out: dict[str, dict[str, float]] = {}
     for direction in ("store", "load"):
         payload: dict[str, Any] = {"direction": direction, "nbytes": nbytes, "repeat": repeat}
@@ -224,7 +228,7 @@ def _ceilings(pool: Any, gpus: int, nbytes: int, repeat: int) -> dict[str, dict[
         together = pool.call("ceiling", {**payload, "start_at": time.time() + 2.0})
         window = max(w["end"] for w in together) - min(w["start"] for w in together)
         out[direction] = {
-            "single": nbytes / alone["median"] / 1e9,
+            "single": repeat * nbytes / (alone["end"] - alone["start"]) / 1e9,
             "together": gpus * repeat * nbytes / window / 1e9,
         }
     return out
