@@ -65,7 +65,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @initialize(
         config=configs(),
-        capacity=st.integers(2, 14),
+        capacity=st.integers(2, 8),
         policy=st.sampled_from(list(EvictionPolicyKind)),
     )
     def start(self, config: OffloadConfig, capacity: int, policy: EvictionPolicyKind) -> None:
@@ -200,10 +200,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         for direction, keys in self.flying.values():
             if direction is Direction.STORE:
                 for key in keys:
+                    assert key in snapshot, f"key {key} of a store in flight was evicted"
                     assert snapshot[key].state is KeyState.WRITING, key
             else:
                 pins.update(keys)
         for key, count in pins.items():
+            assert key in snapshot, f"key {key} pinned by a load in flight was evicted"
             assert snapshot[key].state is KeyState.READY and snapshot[key].pins == count, key
 
     @invariant()
