@@ -49,6 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
         requests=args.requests,
         seed=args.seed,
         config=config,
+        tp=args.tp,
     )
     progress = None if args.no_progress else ProgressLine(sys.stderr)
     try:
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--blocks-per-chunk", type=_positive, help="GPU blocks per chunk (default: the profile's)"
     )
+    demo.add_argument(
+        "--tp",
+        type=_positive,
+        help="tensor-parallel ranks: N worker processes, one shard of the KV heads each "
+        "(cuda:rank for a GPU executor; ranks share GPUs when there are fewer)",
+    )
     demo.add_argument("--config", help="a TOML file of settings (docs/configuration.md)")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -142,14 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `kvferry` command; return its exit status (1: a run failed, e.g. a page did not
-    verify; 2: bad input)."""
+    verify or a worker process died; 2: bad input)."""
     from kvferry.adapters.demo_engine import EngineStalledError
     from kvferry.adapters.demo_verify import VerificationFailedError
+    from kvferry.adapters.workers import WorkerError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (VerificationFailedError, TransferFailedError, EngineStalledError) as exc:
+    except (VerificationFailedError, TransferFailedError, EngineStalledError, WorkerError) as exc:
         print(f"kvferry: FAILED: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except (KvferryError, OSError) as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import attrs
@@ -17,11 +17,13 @@ import attrs
 from kvferry.adapters.config import KvferryConfig
 from kvferry.adapters.demo_engine import DemoEngine
 from kvferry.adapters.demo_pages import DemoKVCache, PagePattern
-from kvferry.adapters.demo_profiles import PROFILES, ProfileName, check_profile
+from kvferry.adapters.demo_profiles import PROFILES, ModelProfile, ProfileName, check_profile
+from kvferry.adapters.demo_ranks import DemoRanks, DemoShard, LocalRanks, ProcessRanks
 from kvferry.adapters.demo_report import DemoReport
 from kvferry.adapters.demo_workload import ChatWorkload, WorkloadShape
 from kvferry.adapters.session import OffloadSession
-from kvferry.core.catalog import Catalog
+from kvferry.adapters.workers import WorkerPool
+from kvferry.core.catalog import Catalog, CatalogConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.executors.base import Executor
 from kvferry.executors.registry import executor_class, make_executor
@@ -43,6 +45,8 @@ class DemoOptions:
     """Seed of the workload and of the page patterns."""
     config: KvferryConfig = attrs.field(factory=KvferryConfig)
     """Executor, CPU tier, eviction policy, F, decoded-token stores."""
+    tp: int | None = None
+    """Tensor-parallel ranks, one worker process each; None: one rank, in this process."""
 
 
 class ProgressLine:
@@ -70,27 +74,17 @@ class ProgressLine:
         self._stream.flush()
 
 
-def run_demo(
+def _local_ranks(
     options: DemoOptions,
+    profile: ModelProfile,
     *,
-    executor_factory: ExecutorFactory = make_executor,
-    progress: Callable[[int, int, int], None] | None = None,
-    torch_device: str | None = None,
-) -> DemoReport:
-    """Serve `options.requests` chat turns with the real planner, session, catalog and executor;
-    return the report. Every page loaded from the CPU tier is verified: a wrong byte raises
-    VerificationFailedError (and a failed job TransferFailedError).
-
-    The KV tensors are numpy arrays for a host executor and torch CUDA tensors for a GPU one;
-    `torch_device` forces torch tensors on that device (tests run the torch executor's copy path
-    on `cpu` tensors this way)."""
-    started = time.perf_counter()
-    profile = PROFILES[options.profile]
-    check_profile(profile)
+    f: int,
+    on_gpu: bool,
+    executor_factory: ExecutorFactory,
+    torch_device: str | None,
+) -> tuple[LocalRanks, CatalogConfig]:
+    """Build the one in-process rank: the whole model's tensors and their executor."""
     config = options.config
-    f = config.blocks_per_chunk or profile.blocks_per_chunk
-    offload = profile.offload_config(f, store_decoded_tokens=config.store_decoded_tokens)
-    on_gpu = executor_class(config.executor).on_gpu
     if torch_device is None and on_gpu:
         torch_device = "cuda"
     cache = DemoKVCache(profile, torch_device=torch_device)
@@ -105,13 +99,109 @@ def run_demo(
         num_rows=catalog_config.capacity_rows,
         **extra,
     )
-    try:
-        if executor.layout.row_bytes != row_bytes:
+    ranks = LocalRanks(executor, cache, pattern, block_size=profile.block_size)
+    if executor.layout.row_bytes != row_bytes:
+        ranks.close()
+        raise InvalidInputError(
+            field="row_bytes", expected=str(row_bytes), got=executor.layout.row_bytes
+        )
+    return ranks, catalog_config
+
+
+def _process_ranks(
+    options: DemoOptions, profile: ModelProfile, f: int, on_gpu: bool, tp: int
+) -> tuple[ProcessRanks, CatalogConfig, str]:
+    """Start `tp` worker processes, one shard each; return them, the catalog configuration
+    (the CPU-tier budget covers every rank: a row is one chunk of the whole model) and the
+    layout fingerprint they share."""
+    config = options.config
+    shard = profile.sharded(tp)
+    # host arrays of the shard, never touched (zeros are mapped lazily): its layout only
+    layout = build_layout(DemoKVCache(shard).kv_tensors, f, on_gpu=False)[0]
+    catalog_config = config.catalog_config(
+        tp * layout.row_bytes, default_tier_bytes=profile.cpu_tier_bytes
+    )
+    factory = DemoShard(
+        profile=profile,
+        executor=config.executor,
+        executor_options=config.executor_options() if on_gpu else {},
+        on_gpu=on_gpu,
+        blocks_per_chunk=f,
+        num_rows=catalog_config.capacity_rows,
+        seed=options.seed,
+    )
+    pool = WorkerPool(factory, tp)
+    if pool.layout_fingerprint != layout.fingerprint:
+        pool.close()
+        raise InvalidInputError(
+            field="layout_fingerprint", expected=layout.fingerprint, got=pool.layout_fingerprint
+        )
+    return ProcessRanks(pool), catalog_config, layout.fingerprint
+
+
+def describe_ranks(devices: Sequence[str]) -> str:
+    """Return where the ranks run, saying when several share one GPU (or the host)."""
+    where = ", ".join(f"rank {rank}: {device}" for rank, device in enumerate(devices))
+    distinct = set(devices)
+    if len(distinct) == len(devices):
+        return f"{len(devices)} worker processes ({where})"
+    kind = "the host" if distinct == {"cpu"} else f"{len(distinct)} GPU(s)"
+    return (
+        f"{len(devices)} worker processes ({where}); fewer devices than ranks: "
+        f"{len(devices)} ranks share {kind}"
+    )
+
+
+def run_demo(
+    options: DemoOptions,
+    *,
+    executor_factory: ExecutorFactory = make_executor,
+    progress: Callable[[int, int, int], None] | None = None,
+    torch_device: str | None = None,
+) -> DemoReport:
+    """Serve `options.requests` chat turns with the real planner, session, catalog and executor;
+    return the report. Every page loaded from the CPU tier is verified: a wrong byte raises
+    VerificationFailedError (and a failed job TransferFailedError).
+
+    The KV tensors are numpy arrays for a host executor and torch CUDA tensors for a GPU one;
+    `torch_device` forces torch tensors on that device (tests run the torch executor's copy path
+    on `cpu` tensors this way). With `options.tp` set, `tp` worker processes hold one shard
+    each (`cuda:rank` for a GPU executor, round-robin when there are fewer GPUs); the executor
+    is then made by name in each worker, so `executor_factory` and `torch_device` must be left
+    at their defaults."""
+    started = time.perf_counter()
+    profile = PROFILES[options.profile]
+    check_profile(profile)
+    config = options.config
+    f = config.blocks_per_chunk or profile.blocks_per_chunk
+    offload = profile.offload_config(f, store_decoded_tokens=config.store_decoded_tokens)
+    on_gpu = executor_class(config.executor).on_gpu
+    ranks: DemoRanks
+    if options.tp is None:
+        ranks, catalog_config = _local_ranks(
+            options,
+            profile,
+            f=f,
+            on_gpu=on_gpu,
+            executor_factory=executor_factory,
+            torch_device=torch_device,
+        )
+        fingerprint = ranks.executor.layout.fingerprint
+        devices: tuple[str, ...] = ()
+    else:
+        if executor_factory is not make_executor or torch_device is not None:
             raise InvalidInputError(
-                field="row_bytes", expected=str(row_bytes), got=executor.layout.row_bytes
+                field="tp",
+                expected="no executor_factory or torch_device (workers make executors by name)",
+                got=options.tp,
             )
+        ranks, catalog_config, fingerprint = _process_ranks(options, profile, f, on_gpu, options.tp)
+        devices = tuple(info.device for info in ranks.pool.infos)
+    try:
         catalog = Catalog(catalog_config)
-        session = OffloadSession(offload, catalog, layout_fingerprint=executor.layout.fingerprint)
+        session = OffloadSession(
+            offload, catalog, world_size=ranks.world_size, layout_fingerprint=fingerprint
+        )
         shape = WorkloadShape(
             system_prompt_tokens=profile.system_prompt_tokens,
             user_tokens=profile.user_tokens,
@@ -122,18 +212,17 @@ def run_demo(
             profile=profile,
             config=offload,
             session=session,
-            executor=executor,
-            cache=cache,
-            pattern=pattern,
+            ranks=ranks,
             workload=workload,
             total_requests=options.requests,
             progress=progress,
         )
         tally = engine.run()
         counters = session.counters()
-        device = executor.device
+        verified = ranks.pages_verified
+        device = ranks.executor.device if isinstance(ranks, LocalRanks) else devices[0]
     finally:
-        executor.close()
+        ranks.close()
     return DemoReport(
         profile=profile.name.value,
         title=profile.title,
@@ -169,6 +258,10 @@ def run_demo(
         load_seconds=tally.load_seconds,
         windowed_bytes_loaded=tally.windowed_bytes_loaded,
         windowed_bytes_all_blocks=tally.windowed_bytes_all_blocks,
-        pages_verified=engine.pages_verified,
+        pages_verified=sum(verified),
         wall_seconds=time.perf_counter() - started,
+        tp=options.tp,
+        rank_devices=devices,
+        ranks_note=describe_ranks(devices) if devices else None,
+        pages_verified_per_rank=verified if devices else (),
     )

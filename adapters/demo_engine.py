@@ -2,7 +2,8 @@
 with chunked prefill, decoding and preemption, driving the real session, catalog and executor.
 
 It plays an engine around kvferry and holds no planning rule of kvferry's: lookups, loads,
-stores and completions go through `OffloadSession`; copies through an `Executor`.
+stores and completions go through `OffloadSession`; copies through the executor of every
+tensor-parallel rank (`DemoRanks`).
 """
 
 from __future__ import annotations
@@ -13,20 +14,21 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from kvferry.adapters.demo_pages import DemoKVCache, ForwardBatch, PagePattern, Words
+from kvferry.adapters.demo_pages import ForwardBatch, Words
 from kvferry.adapters.demo_profiles import ModelProfile
-from kvferry.adapters.demo_verify import PageVerifier
+from kvferry.adapters.demo_ranks import DemoRanks
 from kvferry.adapters.demo_workload import ChatWorkload, Turn
+from kvferry.adapters.messages import Completions
 from kvferry.adapters.session import OffloadSession, RunningRequest
+from kvferry.adapters.workers import report_all
 from kvferry.core.blocks import GroupBlocks
-from kvferry.core.bound import BoundPlan, JobResult
+from kvferry.core.bound import BoundPlan
 from kvferry.core.config import GroupKind, OffloadConfig
 from kvferry.core.errors import KvferryError, TransferFailedError
 from kvferry.core.keys import KeyStatus, OffloadKey
 from kvferry.core.lookup import lookup
 from kvferry.core.plan import Direction
 from kvferry.core.state import new_request_state
-from kvferry.executors.base import Executor
 
 NULL = 0
 """The engine's shared null block id."""
@@ -170,9 +172,7 @@ class DemoEngine:
         profile: ModelProfile,
         config: OffloadConfig,
         session: OffloadSession,
-        executor: Executor,
-        cache: DemoKVCache,
-        pattern: PagePattern,
+        ranks: DemoRanks,
         workload: ChatWorkload,
         total_requests: int,
         progress: Callable[[int, int, int], None] | None = None,
@@ -180,9 +180,7 @@ class DemoEngine:
         self._profile = profile
         self._config = config
         self._session = session
-        self._executor = executor
-        self._cache = cache
-        self._pattern = pattern
+        self._ranks = ranks
         self._workload = workload
         self._total = total_requests
         self._progress = progress
@@ -190,21 +188,20 @@ class DemoEngine:
         self._pools = [BlockPool(profile.gpu_blocks) for _ in profile.groups]
         self._gpu_config = attrs.evolve(config, blocks_per_chunk=1)
         self._gpu_view = _GpuCacheView(self._pools)
-        self._verifier = PageVerifier(cache=cache, pattern=pattern, block_size=self._block)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._deferred: list[tuple[frozenset[int], int, list[int]]] = []
         self._jobs: dict[int, BoundPlan] = {}
         self._watermark = max(1, profile.gpu_blocks // 20)
-        self._page_bytes = [sum(r.page_bytes for r in refs) for refs in cache.refs]
+        self._page_bytes = list(ranks.page_bytes)
         self.tally = EngineTally()
 
     # -- the run ---------------------------------------------------------------------------------
 
     @property
     def pages_verified(self) -> int:
-        """Return the loaded pages verified so far."""
-        return self._verifier.pages_verified
+        """Return the loaded pages verified so far, over every rank."""
+        return sum(self._ranks.pages_verified)
 
     @property
     def gpu_evictions(self) -> int:
@@ -229,7 +226,7 @@ class DemoEngine:
         return request
 
     def _step(self) -> None:
-        self._collect(self._executor.poll())
+        self._collect(self._ranks.poll())
         self._admit()
         if not self._running:
             if not self._jobs:
@@ -245,7 +242,7 @@ class DemoEngine:
         batch = ForwardBatch.empty(len(self._pools))
         for request, count in scheduled:
             self._forward(batch, request, count)
-        batch.write(self._cache, self._pattern)
+        self._ranks.write(batch)
         self._store(scheduled)
         for request, count in scheduled:
             self._advance(request, count)
@@ -385,15 +382,12 @@ class DemoEngine:
 
     def _load(self, job: BoundPlan, request: _Request, gpu: int, boundary: int) -> None:
         """Run a load to completion, verify every page it wrote, and count it."""
-        for g, refs in enumerate(self._cache.refs):
-            destinations = np.asarray(job.plan.gpu_ids_of(g), dtype=np.uint64)
-            for ref in refs if len(destinations) else ():
-                self._cache.poison(ref, destinations)
-        self._executor.submit(job)
+        self._ranks.poison(job.plan)
         self._jobs[job.job_id] = job
-        self._collect(self._executor.wait([job.job_id]))
+        self._ranks.submit([job])
+        self._collect(self._ranks.wait([job.job_id]))
         plan = job.plan
-        self._verifier.verify_load(plan, request.ids)
+        self._ranks.verify(plan, request.ids)
         self.tally.load_jobs += 1
         self.tally.chunks_loaded += len(plan.keys)
         first = gpu // self._block
@@ -481,9 +475,9 @@ class DemoEngine:
             for request in self._running
         )
         for job in step.jobs:
-            self._executor.submit(job)
             self._jobs[job.job_id] = job
             self.tally.store_jobs += 1
+        self._ranks.submit(step.jobs)
 
     def _advance(self, request: _Request, count: int) -> None:
         """After the forward pass: sample, cache complete blocks, drop blocks the groups no
@@ -553,21 +547,25 @@ class DemoEngine:
         else:
             self._pools[group].release(blocks)
 
-    def _collect(self, results: list[JobResult]) -> None:
-        """Report executor results to the session, count them, and free what they gated."""
-        if not results:
+    def _collect(self, completions: list[Completions]) -> None:
+        """Report every rank's results to the session, count them, and free what the jobs that
+        completed (reported by every rank) gated."""
+        if not completions:
             return
-        for result in results:
-            job = self._jobs.pop(result.job_id)
-            if not result.success:
-                raise TransferFailedError(result.job_id, result.error or "unknown")
-            if job.plan.direction is Direction.STORE:
-                self.tally.bytes_stored += result.nbytes
-                self.tally.store_seconds += result.seconds
-            else:
-                self.tally.bytes_loaded += result.nbytes
-                self.tally.load_seconds += result.seconds
-        self._session.report(0, results)
+        for part in completions:
+            for result in part.results:
+                job = self._jobs[result.job_id]
+                if not result.success:
+                    rank = f"rank {part.worker}: " if self._ranks.world_size > 1 else ""
+                    raise TransferFailedError(result.job_id, rank + (result.error or "unknown"))
+                if job.plan.direction is Direction.STORE:
+                    self.tally.bytes_stored += result.nbytes
+                    self.tally.store_seconds += result.seconds
+                else:
+                    self.tally.bytes_loaded += result.nbytes
+                    self.tally.load_seconds += result.seconds
+        for job_id in report_all(self._session, completions).completed:
+            del self._jobs[job_id]
         live = self._session.in_flight()
         still = []
         for gate, group, blocks in self._deferred:
@@ -578,9 +576,9 @@ class DemoEngine:
         self._deferred = still
 
     def _drain(self) -> None:
-        """Wait for every job in flight."""
+        """Wait for every job in flight (on every rank)."""
         if self._jobs:
-            self._collect(self._executor.wait(list(self._jobs)))
+            self._collect(self._ranks.wait(list(self._jobs)))
 
 
 def _group_blocks(table: list[int], cached: Sequence[int] = ()) -> GroupBlocks:

@@ -36,20 +36,24 @@ def _mix(values: Words) -> Words:
 
 class PagePattern:
     """What a page must hold: for each token (or Mamba state) identity, a window of a fixed
-    noise array chosen by the identity and XORed with it, salted per (group, ref).
+    noise array chosen by the identity and XORed with it, salted per (group, ref, rank).
 
-    Different prefixes, groups or refs give different bytes; equal ones give equal bytes.
+    Different prefixes, groups, refs or tensor-parallel ranks give different bytes; equal
+    ones give equal bytes (rank 0's are those of a run without tensor parallelism).
     """
 
-    def __init__(self, seed: int, max_words: int) -> None:
+    def __init__(self, seed: int, max_words: int, *, rank: int = 0) -> None:
+        self.rank = rank
+        """The tensor-parallel rank whose shard these pages are (salts every page)."""
         rng = np.random.default_rng(seed)
         self._noise: Words = rng.integers(0, 2**63, size=max_words + 65_536, dtype=np.uint64)
         self._windows: dict[int, Words] = {}
 
     @staticmethod
-    def salt(group: int, ref: int) -> np.uint64:
-        """Return the salt of ref `ref` of group `group`."""
-        return np.uint64(((group + 1) << 32 | (ref + 1)) * 0x9E3779B97F4A7C15 % (1 << 64))
+    def salt(group: int, ref: int, rank: int = 0) -> np.uint64:
+        """Return the salt of ref `ref` of group `group` on tensor-parallel rank `rank`."""
+        key = rank << 48 | (group + 1) << 32 | (ref + 1)
+        return np.uint64(key * 0x9E3779B97F4A7C15 % (1 << 64))
 
     def words(self, ids: Words, salt: np.uint64, width: int) -> Words:
         """Return one row of `width` words per identity in `ids` (shape `(len(ids), width)`)."""
@@ -254,7 +258,7 @@ def expected_pages(
 
     `ids` are the request's token identities (at least up to the last position's end).
     """
-    salt = PagePattern.salt(ref.group, ref.ref)
+    salt = PagePattern.salt(ref.group, ref.ref, pattern.rank)
     positions = np.asarray(positions, dtype=np.int64)
     if ref.slotted:
         tokens = (positions[:, None] * block_size + np.arange(block_size)).ravel()
@@ -316,7 +320,8 @@ class ForwardBatch:
                 np.concatenate(self.slot_index[g]).astype(np.uint64) if self.slot_index[g] else None
             )
             for ref in refs:
-                rows = pattern.words(ids, PagePattern.salt(ref.group, ref.ref), ref.width)
+                salt = PagePattern.salt(ref.group, ref.ref, pattern.rank)
+                rows = pattern.words(ids, salt, ref.width)
                 if ref.slotted and slots is not None:
                     cache.write_slots(ref, blocks, slots, rows)
                 else:

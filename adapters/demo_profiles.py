@@ -151,6 +151,38 @@ class ModelProfile:
         attention = [g for g in self.groups if g.is_attention]
         return 2 * self.attention_page_bytes(attention[0]) if attention else 0
 
+    def sharded(self, tp: int) -> ModelProfile:
+        """Return one tensor-parallel rank's share of this profile out of `tp`: each attention
+        layer keeps `kv_heads / tp` heads and each Mamba state `1 / tp` of its channels (its
+        first dimension), as engines shard by head. Raise InvalidInputError when `tp` does not
+        divide them."""
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise InvalidInputError(field="tp", expected="an integer >= 1", got=tp)
+        groups = []
+        for index, group in enumerate(self.groups):
+            if group.is_attention:
+                if group.kv_heads % tp:
+                    raise InvalidInputError(
+                        group=index,
+                        field="tp",
+                        expected=f"a divisor of the {group.kv_heads} KV heads",
+                        got=tp,
+                    )
+                groups.append(attrs.evolve(group, kv_heads=group.kv_heads // tp))
+                continue
+            states = []
+            for part in group.states:
+                if part.shape[0] % tp:
+                    raise InvalidInputError(
+                        group=index,
+                        field="tp",
+                        expected=f"a divisor of the {part.name} state's {part.shape[0]} channels",
+                        got=tp,
+                    )
+                states.append(attrs.evolve(part, shape=(part.shape[0] // tp, *part.shape[1:])))
+            groups.append(attrs.evolve(group, states=tuple(states)))
+        return attrs.evolve(self, groups=tuple(groups))
+
     def scale_note(self) -> str:
         """Return how the demo's layer counts relate to the real model's."""
         return ", ".join(

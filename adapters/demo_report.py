@@ -84,6 +84,14 @@ class DemoReport:
     """Loaded pages checked byte for byte (all equal, or the run would have failed)."""
     wall_seconds: float
     """Time of the whole run."""
+    tp: int | None = None
+    """Tensor-parallel ranks (worker processes); None: one rank in the demo's process."""
+    rank_devices: tuple[str, ...] = ()
+    """Where each rank's shard lived (empty without worker processes)."""
+    ranks_note: str | None = None
+    """Where the ranks ran, saying when several shared one GPU."""
+    pages_verified_per_rank: tuple[int, ...] = ()
+    """Loaded pages verified on each rank (each checks its own shard's bytes)."""
 
     @property
     def store_gbps(self) -> float:
@@ -158,10 +166,16 @@ class DemoReport:
             f"{self.blocks_per_chunk}, {self.gpu_blocks} GPU blocks per group",
             f"  CPU tier: {_size(self.cpu_tier_bytes)} = {self.cpu_tier_rows} rows, "
             f"eviction {self.eviction_policy}",
-            "",
         ]
+        verified = f"all {self.pages_verified} pages verified"
+        if self.ranks_note:
+            head.append(f"  tensor parallel {self.tp}: {self.ranks_note}")
+            per_rank = ", ".join(
+                f"rank {rank}: {count}" for rank, count in enumerate(self.pages_verified_per_rank)
+            )
+            verified += f" ({per_rank})"
         body = [f"{name:<{width}}  {value}" for name, value in rows]
-        return "\n".join([*head, *body, "", f"all {self.pages_verified} pages verified"]) + "\n"
+        return "\n".join([*head, "", *body, "", verified]) + "\n"
 
 
 def _size(nbytes: int) -> str:

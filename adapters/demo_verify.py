@@ -17,16 +17,27 @@ class VerificationFailedError(KvferryError):
     """A page loaded from the CPU tier does not hold the bytes its prefix must give."""
 
     def __init__(
-        self, *, request: str, group: int, ref: int, block_id: int, position: int, word: int
+        self,
+        *,
+        request: str,
+        group: int,
+        ref: int,
+        block_id: int,
+        position: int,
+        word: int,
+        rank: int | None = None,
     ) -> None:
         self.request = request
         self.group = group
         self.ref = ref
         self.block_id = block_id
         self.position = position
+        self.word = word
         self.byte_offset = word * 8
+        self.rank = rank
+        where = "" if rank is None else f"tensor-parallel rank {rank}, "
         super().__init__(
-            f"request {request!r}, group {group}, ref {ref}: GPU block {block_id} (block "
+            f"{where}request {request!r}, group {group}, ref {ref}: GPU block {block_id} (block "
             f"{position} of the request) differs from its expected bytes at byte offset "
             f"{self.byte_offset} (of the 8-byte word there)"
         )

@@ -16,6 +16,7 @@ from session_fakes import blocks, prefix_hashes
 
 from kvferry.adapters.session import OffloadSession, RunningRequest
 from kvferry.adapters.workers import (
+    Handler,
     WorkerCrashedError,
     WorkerPool,
     WorkerRaisedError,
@@ -103,7 +104,12 @@ class HostShard:
         def sleep(seconds: float) -> None:
             time.sleep(seconds)
 
-        handlers = {"pages": pages, "zero": zero, "crash": crash, "sleep": sleep}
+        handlers: dict[str, Handler] = {
+            "pages": pages,
+            "zero": zero,
+            "crash": crash,
+            "sleep": sleep,
+        }
         return WorkerShard(executor=executor, handlers=handlers)
 
 
