@@ -12,6 +12,7 @@ from kvferry.core.catalog import KeyState
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import KeyStatus
 from kvferry.core.lookup import LookupResult
+from kvferry.executors.cpu import CpuExecutor
 from kvferry.executors.faults import FaultPoint, FaultyExecutor, truncated_plan
 
 POINTS = list(FaultPoint)
@@ -224,3 +225,34 @@ def test_a_truncated_plan_keeps_the_first_half_of_each_group() -> None:
     cut = truncated_plan(job)
     assert cut.plan.group_sizes == tuple(-(-n // 2) for n in job.plan.group_sizes)
     assert cut.plan.gpu_ids_of(1).tolist() == job.plan.gpu_ids_of(1)[:2].tolist()
+
+
+class _LateCpuExecutor(CpuExecutor):
+    """The cpu executor, but a job ends only when `wait` asks for it (as a GPU job would)."""
+
+    name = "late-cpu"
+
+    def _done(self, handle: float) -> bool:
+        return False
+
+
+def test_the_wrapper_reports_a_late_executors_jobs_only_when_they_end() -> None:
+    rig = Rig(two_group_config(), capacity_rows=8)
+    late = _LateCpuExecutor(
+        kv_caches=[[t.tensor for t in group] for group in rig.executor.inner.tensors],
+        blocks_per_chunk=2,
+        num_rows=8,
+    )
+    executor = FaultyExecutor(late, {1: FaultPoint.BEFORE_START, 2: FaultPoint.AT_COMPLETION})
+    request = rig.arrive("r1", PROMPT)
+    rig.admit(request)
+    rig.compute(request, 0, 32)
+    jobs = [
+        *rig.session.start_stores([rig.running(request, 16)]).jobs,
+        *rig.session.start_stores([rig.running(request, 32)]).jobs,
+    ]
+    for job in jobs:
+        executor.submit(job)
+    assert [(r.job_id, r.success) for r in executor.poll()] == [(1, False)]
+    assert [(r.job_id, r.success) for r in executor.wait([2])] == [(2, False)]
+    assert executor.close() == []
