@@ -113,6 +113,8 @@ class _Job:
     direction: Direction
     keys: tuple[OffloadKey, ...]
     recompute: RecomputeRange | None = None
+    cursor_before: tuple[int, ...] = ()
+    """A load's request store cursors before it: a failed load puts them back."""
     reported: set[int] = attrs.field(factory=set)
     failed: bool = False
 
@@ -278,8 +280,10 @@ class OffloadSession:
             request.state = state
             return None
         rows = self._catalog.pin(plan.keys, request=request_id)
+        cursor_before = request.state.store_cursor
         request.state = state
         job = self._new_job(request_id, request, Direction.LOAD, plan.keys)
+        job.cursor_before = cursor_before
         job.recompute = RecomputeRange(
             request_id=request_id,
             start=num_computed_tokens,
@@ -568,6 +572,13 @@ class OffloadSession:
                 self._catalog.discard(job.keys)
         request = self._requests[job.request_id]
         request.jobs.discard(job.job_id)
+        if not success and job.recompute is not None:
+            # The request recomputes what the load did not bring: store those chunks again
+            # (the tier just dropped them).
+            cursors = zip(request.state.store_cursor, job.cursor_before, strict=True)
+            request.state = attrs.evolve(
+                request.state, store_cursor=tuple(min(now, before) for now, before in cursors)
+            )
         if request.fence is not None:
             request.fence.discard(job.job_id)
             if not request.fence:

@@ -133,6 +133,17 @@ def test_chunks_of_a_failed_load_are_stored_again_and_load_back_whole() -> None:
     assert rig.requests["r4"].computed == 32
 
 
+@pytest.mark.parametrize("point", POINTS)
+def test_the_request_whose_load_failed_stores_the_recomputed_chunks_again(
+    point: FaultPoint,
+) -> None:
+    rig, job = _failed_load(point)
+    rig.store_step({"r2": 33})
+    rig.deliver()
+    assert rig.catalog.statuses(job.plan.keys) == [KeyStatus.HIT] * len(job.plan.keys)
+    rig.check_ready_rows()
+
+
 def test_a_failed_load_drops_its_keys_from_the_tier() -> None:
     rig, job = _failed_load(FaultPoint.AT_COMPLETION)
     assert rig.catalog.statuses(job.plan.keys) == [KeyStatus.MISS] * len(job.plan.keys)
