@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -15,7 +16,16 @@ settings.register_profile("dev", max_examples=100, deadline=None)
 settings.register_profile(
     "long", max_examples=20_000, deadline=None, suppress_health_check=list(HealthCheck)
 )
-settings.load_profile(os.environ.get("KVFERRY_HYPOTHESIS_PROFILE", "ci"))
+settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def _no_kvferry_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Run every test without the caller's `KVFERRY_*` variables: the configuration reads
+    them (and refuses unknown ones), and a test must not depend on the shell it runs in."""
+    for name in [name for name in os.environ if name.startswith("KVFERRY_")]:
+        monkeypatch.delenv(name)
+    yield
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -81,6 +81,7 @@ class ModelJob:
     reported: set[int] = attrs.field(factory=set)
     failed: bool = False
     recompute: RecomputeRange | None = None
+    cursor_before: list[int] = attrs.field(factory=list)
 
 
 class SessionMachine(RuleBasedStateMachine):
@@ -196,11 +197,13 @@ class SessionMachine(RuleBasedStateMachine):
             assert key in self.ready and key not in self.pins
         for key in keys:
             self.pins[key] = self.pins.get(key, 0) + 1
+        cursor_before = list(request.cursor)
         for group, chunk in enumerate(CHUNKS):
             request.cursor[group] = max(request.cursor[group], ceil_div(found.tokens, chunk))
         self.new_job(
             job.job_id,
             ModelJob(
+                cursor_before=cursor_before,
                 rid=rid,
                 direction=Direction.LOAD,
                 keys=job.plan.keys,
@@ -317,7 +320,11 @@ class SessionMachine(RuleBasedStateMachine):
             self.doomed -= dropped
             self.ready -= dropped
             assert sorted(self.take_events(EventKind.REMOVED)) == sorted(dropped)
-            if job.failed and job.recompute is not None:
+            if job.failed and job.recompute is not None:  # stored again after the recompute
+                request.cursor = [
+                    min(now, before)
+                    for now, before in zip(request.cursor, job.cursor_before, strict=True)
+                ]
                 recompute = (job.recompute,)
             if request.load is not None and request.load[0] == job_id:
                 if request.phase is Phase.LOADING:
