@@ -74,6 +74,9 @@ class _Jobs:
         """Wait for everything and release."""
         raise NotImplementedError
 
+    hung = False
+    """Set when a job did not end in time: `close()` would wait for ever, so it is skipped."""
+
 
 class _ExecutorJobs(_Jobs):
     """Jobs of an executor: random block ids from a random half of the blocks for stores and
@@ -198,8 +201,11 @@ def _warm_up(jobs: _Jobs) -> None:
     for direction in Direction:
         jobs.submit(direction)
     seen = 0
-    deadline = time.perf_counter() + 120
-    while seen < 2 and time.perf_counter() < deadline:
+    deadline = time.perf_counter() + 30
+    while seen < 2:
+        if time.perf_counter() > deadline:
+            jobs.hung = True
+            raise TimeoutError("a warm-up job did not end within 30 s")
         seen += len(jobs.ended())
 
 
@@ -215,8 +221,11 @@ def _drive(
             jobs.submit(direction)
     ends: dict[Direction, list[tuple[float, int, float]]] = {d: [] for d in Direction}
 
+    deadline = time.perf_counter() + 30
+
     def more() -> bool:
-        return extend and any(len(seen) < 3 for seen in ends.values())
+        short = any(len(seen) < 3 for seen in ends.values())
+        return extend and short and time.perf_counter() < deadline
 
     while not stop() or more():
         for direction, nbytes, seconds in jobs.ended():
@@ -234,10 +243,11 @@ def _drive(
             else nan,
         }
     # drain what is still in flight
-    deadline = time.perf_counter() + 120
+    deadline = time.perf_counter() + 30
     pending = depth * 2
     while pending and time.perf_counter() < deadline:
         pending -= len(jobs.ended())
+    jobs.hung = pending > 0
     return out
 
 
@@ -431,7 +441,7 @@ def _run_page(
             print(f"{variant:<18} {page_kib:>4}Ki ERROR {type(error).__name__}: {error}")
             continue
         finally:
-            if jobs is not None:
+            if jobs is not None and not jobs.hung:
                 jobs.close()
         row.update(variant=variant, page_kib=page_kib, layers=args.layers, job_bytes=total)
         rows.append(row)
