@@ -436,9 +436,10 @@ class WorkerPool:
                     _, error_type, message, remote = reply
                     raised.append(WorkerRaisedError(rank, error_type, message, remote))
         if raised:
+            first = min(raised, key=lambda error: error.rank)
             if command == "start":
-                self._broken = raised[0]
-            raise raised[0]
+                self._broken = first
+            raise first
         return [answers[entry.rank] for entry in self._ranks]
 
 
