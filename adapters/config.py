@@ -6,7 +6,6 @@ names the key and the allowed values, and nothing here builds an executor or all
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
 import re
@@ -18,7 +17,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.catalog import CatalogConfig, rows_for_budget
-from kvferry.core.errors import InvalidInputError, UnknownExecutorError
+from kvferry.core.errors import InvalidInputError, UnknownExecutorError, did_you_mean
 from kvferry.core.eviction import EvictionPolicyKind
 from kvferry.executors.registry import executor_class, executor_entries
 
@@ -234,8 +233,7 @@ class KvferryConfig:
         for key, raw in values.items():
             spec = CONFIG_KEYS.get(key)
             if spec is None:
-                close = difflib.get_close_matches(str(key), list(CONFIG_KEYS), n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                hint = did_you_mean(key, CONFIG_KEYS)
                 raise _bad(str(key), "one of the keys " + ", ".join(CONFIG_KEYS) + hint, raw)
             changes[key] = spec.parse(key, raw)
         return attrs.evolve(base or cls(), **changes)
@@ -265,8 +263,7 @@ class KvferryConfig:
             key = name[len(ENV_PREFIX) :].lower()
             if key not in CONFIG_KEYS:
                 names = [spec.env for spec in CONFIG_KEYS.values()]
-                close = difflib.get_close_matches(name, names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                hint = did_you_mean(name, names)
                 raise _bad(name, "one of the variables " + ", ".join(names) + hint, raw)
             values[key] = raw
         try:

@@ -5,14 +5,13 @@ Values and arithmetic on shapes only: a profile never allocates a tensor or plan
 
 from __future__ import annotations
 
-import difflib
 import enum
 import math
 
 import attrs
 
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
-from kvferry.core.errors import InvalidInputError
+from kvferry.core.errors import InvalidInputError, member_named
 
 BF16 = 2
 """Bytes per bf16 element."""
@@ -35,15 +34,7 @@ class ProfileName(enum.Enum):
     @classmethod
     def from_name(cls, name: str) -> ProfileName:
         """Return the profile named `name`, or raise InvalidInputError listing the known ones."""
-        try:
-            return cls(name)
-        except ValueError:
-            known = [p.value for p in cls]
-            close = difflib.get_close_matches(str(name), known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise InvalidInputError(
-                field="profile", expected="one of " + ", ".join(known) + hint, got=name
-            ) from None
+        return member_named(cls, name, field="profile")
 
 
 @attrs.frozen(kw_only=True)

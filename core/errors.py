@@ -5,6 +5,13 @@ Never raise a bare built-in exception for a caller's mistake: raise one of these
 
 from __future__ import annotations
 
+import difflib
+import enum
+from collections.abc import Iterable
+from typing import TypeVar
+
+_E = TypeVar("_E", bound=enum.Enum)
+
 
 class KvferryError(Exception):
     """Base class of every error kvferry raises on purpose."""
@@ -63,3 +70,23 @@ class TransferFailedError(KvferryError):
         self.job_id = job_id
         self.reason = reason
         super().__init__(f"transfer job {job_id} failed: {reason}")
+
+
+def did_you_mean(name: object, known: Iterable[str]) -> str:
+    """Return ` (did you mean 'x'?)` for the known name closest to `name`, or "" if none is."""
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def member_named(kind: type[_E], name: object, *, field: str) -> _E:
+    """Return the member of the string-valued enum `kind` whose value is `name`, or raise
+    InvalidInputError naming `field`, the known values and the closest one."""
+    try:
+        return kind(name)
+    except ValueError:
+        known = [str(member.value) for member in kind]
+        raise InvalidInputError(
+            field=field,
+            expected="one of " + ", ".join(known) + did_you_mean(name, known),
+            got=name,
+        ) from None

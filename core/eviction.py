@@ -7,13 +7,12 @@ no I/O; a policy never decides whether a key may go (the catalog's `protected` p
 from __future__ import annotations
 
 import bisect
-import difflib
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from kvferry.core.errors import InvalidInputError
+from kvferry.core.errors import InvalidInputError, member_named
 from kvferry.core.keys import OffloadKey
 
 
@@ -31,15 +30,7 @@ class EvictionPolicyKind(enum.Enum):
     def from_name(cls, name: str) -> EvictionPolicyKind:
         """Return the kind named `name` (e.g. "lru"), or raise InvalidInputError with the
         closest known names."""
-        try:
-            return cls(name)
-        except ValueError:
-            known = [kind.value for kind in cls]
-            close = difflib.get_close_matches(str(name), known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise InvalidInputError(
-                field="policy", expected="one of " + ", ".join(known) + hint, got=name
-            ) from None
+        return member_named(cls, name, field="policy")
 
 
 Protected = Callable[[OffloadKey], bool]

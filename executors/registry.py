@@ -6,7 +6,6 @@ Third-party packages add executors through the entry-point group `kvferry.execut
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -14,7 +13,12 @@ from typing import Any
 
 import attrs
 
-from kvferry.core.errors import ExecutorUnavailableError, InvalidInputError, UnknownExecutorError
+from kvferry.core.errors import (
+    ExecutorUnavailableError,
+    InvalidInputError,
+    UnknownExecutorError,
+    did_you_mean,
+)
 from kvferry.executors.base import Executor
 
 ENTRY_POINT_GROUP = "kvferry.executors"
@@ -75,10 +79,9 @@ def executor_class(name: str) -> type[Executor]:
     entries = executor_entries()
     entry = entries.get(name)
     if entry is None:
-        close = difflib.get_close_matches(name, list(entries), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise UnknownExecutorError(
-            f"no executor named {name!r}{hint} (known: {', '.join(sorted(entries))})"
+            f"no executor named {name!r}{did_you_mean(name, entries)}"
+            f" (known: {', '.join(sorted(entries))})"
         )
     for module in entry.requires:
         if importlib.util.find_spec(module) is None:
