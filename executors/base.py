@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import enum
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -20,6 +20,18 @@ from kvferry.core.expand import PageCopies, expand_pages
 from kvferry.core.layout import KVLayout
 from kvferry.executors.host import HostRegistrar, HostTier
 from kvferry.executors.tensors import KVTensor, RegisteredTensor, build_layout
+
+
+def checked_job_ids(job_ids: Iterable[int], in_flight: Container[int]) -> list[int]:
+    """Return `job_ids` as a list, or raise InvalidInputError (changing nothing) for a repeated
+    id or one that is not in flight: what every executor's `wait` accepts."""
+    ids = list(job_ids)
+    if len(set(ids)) != len(ids):
+        raise InvalidInputError(field="job_ids", expected="distinct ids", got=ids)
+    for job_id in ids:
+        if job_id not in in_flight:
+            raise InvalidInputError(field="job_ids", expected="ids of jobs in flight", got=job_id)
+    return ids
 
 
 class CopyPath(enum.Enum):
@@ -164,14 +176,7 @@ class Executor(abc.ABC):
 
         Raises InvalidInputError for an id that is not in flight (unknown or already reported).
         """
-        ids = list(job_ids)
-        if len(set(ids)) != len(ids):
-            raise InvalidInputError(field="job_ids", expected="distinct ids", got=ids)
-        for job_id in ids:
-            if job_id not in self._jobs:
-                raise InvalidInputError(
-                    field="job_ids", expected="ids of jobs in flight", got=job_id
-                )
+        ids = checked_job_ids(job_ids, self._jobs)
         return [self._report(self._jobs[job_id]) for job_id in ids]
 
     def close(self) -> list[JobResult]:

@@ -20,7 +20,7 @@ from kvferry.core.expand import expand_pages
 from kvferry.core.keys import OffloadKey
 from kvferry.core.layout import KVLayout
 from kvferry.core.plan import TransferPlan, chunks_spanned
-from kvferry.executors.base import Executor
+from kvferry.executors.base import Executor, checked_job_ids
 from kvferry.executors.host import HostTier
 
 
@@ -215,14 +215,7 @@ class FaultyExecutor:
 
     def wait(self, job_ids: Iterable[int]) -> list[JobResult]:
         """Block until the given jobs end; return their results in the order asked."""
-        ids = list(job_ids)
-        if len(set(ids)) != len(ids):
-            raise InvalidInputError(field="job_ids", expected="distinct ids", got=ids)
-        for job_id in ids:
-            if job_id not in self._pending:
-                raise InvalidInputError(
-                    field="job_ids", expected="ids of jobs in flight", got=job_id
-                )
+        ids = checked_job_ids(job_ids, self._pending)
         started = [i for i in ids if self._pending[i].point is not FaultPoint.BEFORE_START]
         inner = dict(zip(started, self._inner.wait(started), strict=True))
         return [self._result(job_id, inner.get(job_id)) for job_id in ids]
