@@ -13,6 +13,7 @@ import attrs
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent
+from kvferry.core.checks import at_least
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
 from kvferry.core.keys import OffloadKey
@@ -21,16 +22,6 @@ from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
 from kvferry.core.state import RequestState, extend_keys, new_request_state
 from kvferry.core.store import StoreOutcome, plan_store, store_due, stored_tokens_after_step
-
-
-def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInputError(
-            request=getattr(instance, "request_id", None),
-            field=attribute.name,
-            expected="an integer >= 0",
-            got=value,
-        )
 
 
 def _blocks_tuple(value: Iterable[GroupBlocks]) -> tuple[GroupBlocks, ...]:
@@ -45,11 +36,11 @@ class RunningRequest:
     """The engine's request id."""
     blocks: tuple[GroupBlocks, ...] = attrs.field(converter=_blocks_tuple)
     """The request's whole block table, one GroupBlocks per group (resent after preemption)."""
-    num_computed_tokens: int = attrs.field(validator=_count)
+    num_computed_tokens: int = attrs.field(validator=at_least(0))
     """Tokens whose KV existed before this step."""
-    num_scheduled_tokens: int = attrs.field(validator=_count)
+    num_scheduled_tokens: int = attrs.field(validator=at_least(0))
     """Tokens this step's forward pass computes."""
-    num_tokens: int = attrs.field(validator=_count)
+    num_tokens: int = attrs.field(validator=at_least(0))
     """The request's tokens so far (prompt and generated)."""
     block_hashes: Sequence[bytes]
     """The request's chained hash-block hashes so far (it only grows); read during the call,
@@ -74,9 +65,9 @@ class RecomputeRange:
 
     request_id: str
     """The request whose load failed."""
-    start: int = attrs.field(validator=_count)
+    start: int = attrs.field(validator=at_least(0))
     """First token to recompute (the request's `num_computed_tokens` when the load began)."""
-    stop: int = attrs.field(validator=_count)
+    stop: int = attrs.field(validator=at_least(0))
     """One past the last token the load was to bring."""
 
     def __attrs_post_init__(self) -> None:

@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 
 from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
+from kvferry.core.checks import at_least
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.eviction import EvictionPolicyKind, make_policy
 from kvferry.core.keys import KeyStatus, OffloadKey
@@ -20,11 +21,6 @@ from kvferry.core.keys import KeyStatus, OffloadKey
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS
 _PENDING = KeyStatus.PENDING
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInputError(field=attribute.name, expected="an integer >= 0", got=value)
 
 
 def rows_for_budget(budget_bytes: int, bytes_per_row: int) -> int:
@@ -43,7 +39,7 @@ def rows_for_budget(budget_bytes: int, bytes_per_row: int) -> int:
 class CatalogConfig:
     """How big the CPU tier is and how it chooses what to evict."""
 
-    capacity_rows: int = attrs.field(validator=_non_negative_int)
+    capacity_rows: int = attrs.field(validator=at_least(0))
     """Rows in the tier (one chunk each); `rows_for_budget` derives it from a byte budget."""
     policy: EvictionPolicyKind = attrs.field(
         default=EvictionPolicyKind.LRU,

@@ -6,6 +6,10 @@ Pure: a check raises InvalidInputError naming where, or returns; it never rounds
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
+from typing import Any
+
+import attrs
 
 from kvferry.core.errors import InvalidInputError
 
@@ -27,3 +31,18 @@ def check_count(
             expected=f"an integer >= {low}",
             got=value,
         )
+
+
+def at_least(low: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    """Return an attrs validator: the field is an integer (not a bool) of at least `low`; the
+    error names the field, and the request when the instance has a `request_id`."""
+
+    def validate(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        check_count(
+            value,
+            field=attribute.name,
+            request=getattr(instance, "request_id", None),
+            low=low,
+        )
+
+    return validate

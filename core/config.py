@@ -9,6 +9,7 @@ import enum
 
 import attrs
 
+from kvferry.core.checks import at_least
 from kvferry.core.errors import InvalidInputError
 
 
@@ -21,11 +22,6 @@ class GroupKind(enum.Enum):
     """Only the last `sliding_window` tokens."""
     MAMBA = "mamba"
     """Only the recurrent state after token `t - 1`."""
-
-
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInputError(field=attribute.name, expected="an integer >= 1", got=value)
 
 
 def _group_kind(instance: object, attribute: attrs.Attribute[GroupKind], value: object) -> None:
@@ -44,7 +40,7 @@ class GroupSpec:
 
     kind: GroupKind = attrs.field(validator=_group_kind)
     """How the group's layers use earlier tokens."""
-    block_size: int = attrs.field(validator=_positive)
+    block_size: int = attrs.field(validator=at_least(1))
     """Tokens per GPU block of this group (`T_g`)."""
     sliding_window: int | None = None
     """Window in tokens; required for sliding-window groups, absent for the others."""
@@ -76,9 +72,9 @@ def _groups_tuple(value: object) -> tuple[GroupSpec, ...]:
 class OffloadConfig:
     """Everything the planner needs to know about the model's KV cache and the CPU tier."""
 
-    hash_block_size: int = attrs.field(validator=_positive)
+    hash_block_size: int = attrs.field(validator=at_least(1))
     """Tokens per prefix-hash block; the engine gives one chained hash per full hash block."""
-    blocks_per_chunk: int = attrs.field(validator=_positive)
+    blocks_per_chunk: int = attrs.field(validator=at_least(1))
     """GPU blocks per offloaded chunk (`F`), the same for every group."""
     groups: tuple[GroupSpec, ...] = attrs.field(converter=_groups_tuple)
     """The KV-cache groups, in the engine's order; a group is named by its index here."""

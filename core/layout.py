@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from kvferry.core.checks import at_least
 from kvferry.core.errors import InvalidInputError
 
 _MAX_ADDRESS = 2**63
@@ -75,22 +76,17 @@ def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int)
         )
 
 
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidInputError(field=attribute.name, expected="an integer >= 1", got=value)
-
-
 @attrs.frozen(kw_only=True)
 class PageRef:
     """One KV tensor as a row of pages: page `b` starts at `address + b * page_stride`."""
 
     address: int = attrs.field(validator=_non_negative)
     """Absolute address of block 0's page (a GPU address, or a host one for the cpu executor)."""
-    num_blocks: int = attrs.field(validator=_positive)
+    num_blocks: int = attrs.field(validator=at_least(1))
     """Pages in the tensor; a block id must be below it."""
-    page_stride: int = attrs.field(validator=_positive)
+    page_stride: int = attrs.field(validator=at_least(1))
     """Bytes between consecutive pages; also the size of a slot in a CPU row."""
-    page_bytes: int = attrs.field(validator=_positive)
+    page_bytes: int = attrs.field(validator=at_least(1))
     """Bytes to copy per page (at most `page_stride`: padded pages copy only the real state)."""
 
     def __attrs_post_init__(self) -> None:
@@ -156,7 +152,7 @@ class KVLayout:
     chunk; a smaller group's chunk leaves the rest of its row unused (see `padding_bytes`).
     """
 
-    blocks_per_chunk: int = attrs.field(validator=_positive)
+    blocks_per_chunk: int = attrs.field(validator=at_least(1))
     """`F`: slots per ref in one CPU row."""
     groups: tuple[GroupLayout, ...] = attrs.field(converter=_groups_tuple)
     """One entry per KV-cache group, in the planner's group order."""
