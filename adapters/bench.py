@@ -142,6 +142,22 @@ def run_benchmarks(
     return outcomes
 
 
+def _save(
+    plt: Any, figure: Any, axis: Any, png: Path, *, xlabel: str, ylabel: str, title: str
+) -> Path:
+    """Finish a plot of either benchmark (log2 x axis, labels, legend), write it; return `png`."""
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(f"kvferry {title}")
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(png, dpi=120)
+    plt.close(figure)
+    return png
+
+
 def plot_transfer(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path | None:
     """Draw GB/s against page size per executor and direction, with the pinned-copy ceilings,
     from `benchmarks/transfer.py`'s JSON; return the PNG's path, or None (and say so on `log`)
@@ -167,16 +183,15 @@ def plot_transfer(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path
     for direction, gbps in data.get("ceiling_gbps", {}).items():
         axis.axhline(float(gbps), color="grey", linewidth=0.8, linestyle=":")
         axis.annotate(f"ceiling {direction} {float(gbps):.1f}", (1, float(gbps)), fontsize=7)
-    axis.set_xscale("log", base=2)
-    axis.set_xlabel("page (KiB)")
-    axis.set_ylabel("GB/s")
-    axis.set_title(f"kvferry transfer, {data.get('device', 'GPU')}")
-    if axis.get_legend_handles_labels()[0]:
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(png, dpi=120)
-    plt.close(figure)
-    return png
+    return _save(
+        plt,
+        figure,
+        axis,
+        png,
+        xlabel="page (KiB)",
+        ylabel="GB/s",
+        title=f"transfer, {data.get('device', 'GPU')}",
+    )
 
 
 def plot_planner(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path | None:
@@ -203,16 +218,15 @@ def plot_planner(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path 
                 marker="o",
                 label=label,
             )
-    axis.set_xscale("log", base=2)
-    axis.set_xlabel("blocks per chunk (F)")
-    axis.set_ylabel("ms")
-    axis.set_title(f"kvferry planner, {data.get('machine', '')}")
-    if axis.get_legend_handles_labels()[0]:
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(png, dpi=120)
-    plt.close(figure)
-    return png
+    return _save(
+        plt,
+        figure,
+        axis,
+        png,
+        xlabel="blocks per chunk (F)",
+        ylabel="ms",
+        title=f"planner, {data.get('machine', '')}",
+    )
 
 
 def _pyplot(log: TextIO) -> Any:

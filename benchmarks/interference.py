@@ -34,11 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from transfer import KIB, VARIANTS, _bound, _ceiling
+from transfer import KIB, VARIANTS, _bound, _ceiling, bench_kv_caches
 
-from kvferry.core.layout import TensorLayout
 from kvferry.core.plan import Direction
-from kvferry.executors import CopyPath, KVTensor, make_executor
+from kvferry.executors import CopyPath, make_executor
 
 MATMUL_N = 8192
 SLOWDOWN_TARGET = 0.03
@@ -408,15 +407,7 @@ def _run_page(
     total = common["total"]
     rows = []
     page = page_kib * KIB
-    moved = -(-total // (args.layers * page))
-    num_blocks = 2 * moved
-    tensors = [
-        torch.empty((num_blocks, 2, page // 2), dtype=torch.uint8, device="cuda")
-        for _ in range(args.layers)
-    ]
-    for tensor in tensors:
-        tensor.random_(0, 255)
-    kv = [[KVTensor(tensor=t, layout=TensorLayout.BLOCKS_FIRST) for t in tensors]]
+    moved, num_blocks, kv = bench_kv_caches(torch, args.layers, page, total)
     for variant in args.variants.split(","):
         jobs: _Jobs | None = None
         try:
@@ -454,7 +445,7 @@ def _run_page(
             f"{together['load']['gbps']:>7.1f} ({row['load_ratio_together']:.2f})",
             flush=True,
         )
-    del tensors, kv
+    del kv
     torch.cuda.empty_cache()
     return rows
 

@@ -47,6 +47,27 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 """Variant name -> (executor name, executor options). `cpu` is for `--gpus` dry runs only."""
 
 
+def bench_kv_caches(
+    torch: Any, layers: int, page: int, total: int, device: str = "cuda"
+) -> tuple[int, int, list[list[KVTensor]]]:
+    """Return (blocks moved per job, blocks per tensor, the KV caches): `layers` blocks-first
+    tensors of random bytes with `page`-byte pages, twice as many blocks as a job of `total`
+    bytes moves (so random block ids leave gaps)."""
+    moved = -(-total // (layers * page))
+    num_blocks = 2 * moved
+    tensors = [
+        torch.empty((num_blocks, 2, page // 2), dtype=torch.uint8, device=device)
+        for _ in range(layers)
+    ]
+    for tensor in tensors:
+        tensor.random_(0, 255)
+    return (
+        moved,
+        num_blocks,
+        [[KVTensor(tensor=t, layout=TensorLayout.BLOCKS_FIRST) for t in tensors]],
+    )
+
+
 def _ceiling(torch: Any, nbytes: int, repeat: int) -> dict[str, float]:
     """Return GB/s of one contiguous pinned copy, each way, timed with CUDA events."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -372,15 +393,7 @@ def main() -> None:
     print("-" * len(header))
     for page_kib in (int(p) for p in args.pages_kib.split(",")):
         page = page_kib * KIB
-        moved = -(-total // (args.layers * page))
-        num_blocks = 2 * moved
-        tensors = [
-            torch.empty((num_blocks, 2, page // 2), dtype=torch.uint8, device="cuda")
-            for _ in range(args.layers)
-        ]
-        for tensor in tensors:
-            tensor.random_(0, 255)
-        kv = [[KVTensor(tensor=t, layout=TensorLayout.BLOCKS_FIRST) for t in tensors]]
+        moved, num_blocks, kv = bench_kv_caches(torch, args.layers, page, total)
         for variant in args.variants.split(","):
             name, options = VARIANTS[variant]
             if args.staging_mib is not None:
@@ -421,7 +434,7 @@ def main() -> None:
                     })  # fmt: skip
             finally:
                 executor.close()
-        del tensors, kv
+        del kv
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
