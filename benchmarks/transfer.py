@@ -22,12 +22,14 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
 from kvferry.core.bound import BoundPlan
+from kvferry.core.catalog import Catalog, CatalogConfig
 from kvferry.core.keys import OffloadKey
 from kvferry.core.layout import TensorLayout
 from kvferry.core.plan import Direction, TransferPlan
@@ -36,6 +38,9 @@ from kvferry.executors import CopyPath, KVTensor, make_executor
 # `kvferry.adapters.workers` is imported by the `--gpus` path only.
 
 KIB = 1024
+TARGET_RATIO = 0.92
+TARGET_SUBMIT_SHARE = 0.05
+TARGET_SUBMIT_2048_US = 200
 DEFAULT_PAGES = "4,8,16,28,32,64,256,2048"
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "torch": ("torch", {}),
@@ -307,7 +312,7 @@ def run_multi_gpu(args: argparse.Namespace) -> None:
                             job + 1,
                             direction,
                             rng.choice(num_blocks, size=moved, replace=False),
-                            rng.permutation(moved),
+                            catalog_rows(moved),
                         )
                         bound = attrs.evolve(bound, layout_fingerprint=pool.layout_fingerprint)
                         start = time.perf_counter()
@@ -359,6 +364,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--staging-mib", type=int, default=None, help="default: the executor's")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument(
+        "--rows",
+        choices=("catalog", "random"),
+        default="catalog",
+        help="CPU rows of a job: as a fresh kvferry Catalog allocates them (default), or a random "
+        "permutation (a fragmented tier: one link copy per row)",
+    )
     parser.add_argument(
         "--gpus",
         type=int,
@@ -368,8 +381,72 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def catalog_rows(moved: int) -> np.ndarray:
+    """Return the CPU rows a fresh kvferry `Catalog` gives a job of `moved` chunks: what a
+    prefix stored by one job (and loaded back by one) occupies in a tier that is not yet full."""
+    keys = [OffloadKey(0, i.to_bytes(8, "little")) for i in range(moved)]
+    reservation = Catalog(CatalogConfig(capacity_rows=moved)).reserve(keys)
+    if reservation is None:
+        raise RuntimeError("a fresh catalog had no room")
+    return np.asarray(reservation.rows, dtype=np.int64)
+
+
+def _submit_of_2048_block_load(torch: Any, variant: str, repeat: int) -> float:
+    """Return the median seconds inside `submit()` of a 2048-block x 32-layer load (16 KiB pages,
+    catalog rows, random block ids; issue 5 target 4)."""
+    name, options = VARIANTS[variant]
+    moved, num_blocks, kv = bench_kv_caches(torch, 32, 16 * KIB, 2048 * 32 * 16 * KIB)
+    rng = np.random.default_rng(1)
+    executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
+    try:
+        bounds = [
+            _bound(job, Direction.LOAD, rng.choice(num_blocks, moved, False), catalog_rows(moved))
+            for job in range(repeat + 1)
+        ]
+        return _measure(executor, bounds)[1]
+    finally:
+        executor.close()
+        del kv
+        torch.cuda.empty_cache()
+
+
+def _summary(rows: list[dict[str, Any]], submit_2048: dict[str, float], layout: str) -> list[str]:
+    """Return the target 1 and target 4 lines: measured, target, PASS/FAIL."""
+    lines = []
+    worst = min(rows, key=lambda r: r["ratio_to_ceiling"])
+    per_variant = {
+        v: min(r["ratio_to_ceiling"] for r in rows if r["executor"] == v)
+        for v in dict.fromkeys(r["executor"] for r in rows)
+    }
+    verdict = "PASS" if worst["ratio_to_ceiling"] >= TARGET_RATIO else "FAIL"
+    lines.append(
+        f"{verdict}: target 1 (each direction >= {TARGET_RATIO} x ceiling, {layout}): worst "
+        f"{worst['ratio_to_ceiling']:.2f} ({worst['executor']} {worst['direction']} "
+        f"{worst['page_bytes'] // KIB} KiB); per variant "
+        + ", ".join(f"{v} {r:.2f}" for v, r in per_variant.items())
+    )
+    share = max(rows, key=lambda r: r["submit_seconds"] / r["seconds"])
+    ratio = share["submit_seconds"] / share["seconds"]
+    verdict = "PASS" if ratio <= TARGET_SUBMIT_SHARE else "FAIL"
+    lines.append(
+        f"{verdict}: target 4 (submit <= {TARGET_SUBMIT_SHARE:.0%} of the transfer time, 1 GiB "
+        f"jobs): worst {ratio:.1%} ({share['executor']} {share['direction']} "
+        f"{share['page_bytes'] // KIB} KiB, {share['submit_seconds'] * 1e3:.2f} of "
+        f"{share['seconds'] * 1e3:.2f} ms)"
+    )
+    if submit_2048:
+        worst_us = max(submit_2048.values()) * 1e6
+        verdict = "PASS" if worst_us <= TARGET_SUBMIT_2048_US else "FAIL"
+        lines.append(
+            f"{verdict}: target 4 (submit of a 2048-block x 32-layer load <= "
+            f"{TARGET_SUBMIT_2048_US} us, 16 KiB pages): "
+            + ", ".join(f"{v} {t * 1e6:.0f} us" for v, t in submit_2048.items())
+        )
+    return lines
+
+
 def main() -> None:
-    """Run the sweep; print the table; write JSON when asked."""
+    """Run the sweep; print the table and the target lines; write JSON (and a PNG) when asked."""
     parser = _parser()
     args = parser.parse_args()
     if args.gpus is not None:
@@ -386,8 +463,10 @@ def main() -> None:
     ceiling = _ceiling(torch, total, args.repeat)
     rng = np.random.default_rng(0)
     rows_out = []
+    layout = f"{args.layers} layers, random block ids, {args.rows} CPU rows"
     print(f"ceiling (contiguous pinned copy, {args.gib} GiB): ", end="")
     print(f"store D2H {ceiling['store']:.1f} GB/s, load H2D {ceiling['load']:.1f} GB/s")
+    print(f"jobs: {layout}")
     header = f"{'executor':<15} {'dir':<6} {'page':>8} {'GB/s':>7} {'ratio':>6} {'submit ms':>10}"
     print(header)
     print("-" * len(header))
@@ -408,7 +487,9 @@ def main() -> None:
                             job,
                             direction,
                             rng.choice(num_blocks, size=moved, replace=False),
-                            rng.permutation(moved),
+                            catalog_rows(moved)
+                            if args.rows == "catalog"
+                            else rng.permutation(moved),
                         )
                         for job in range(args.repeat + 1)
                     ]
@@ -426,6 +507,7 @@ def main() -> None:
                         "direction": direction.value,
                         "page_bytes": page,
                         "layers": args.layers,
+                        "rows": args.rows,
                         "bytes": nbytes,
                         "seconds": seconds,
                         "submit_seconds": submit,
@@ -436,17 +518,29 @@ def main() -> None:
                 executor.close()
         del kv
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
+    submit_2048 = {
+        v: _submit_of_2048_block_load(torch, v, args.repeat) for v in args.variants.split(",")
+    }
+    for line in _summary(rows_out, submit_2048, layout):
+        print(line)
+    json_path = args.json or (args.png.with_suffix(".json") if args.png else None)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as handle:
             json.dump(
                 {
                     "device": torch.cuda.get_device_name(),
                     "ceiling_gbps": ceiling,
+                    "jobs": layout,
                     "results": rows_out,
+                    "submit_2048_block_load_seconds": submit_2048,
                 },
                 handle,
                 indent=2,
             )
+    if args.png and json_path:
+        from kvferry.adapters.bench import plot_transfer
+
+        plot_transfer(Path(json_path), args.png)
 
 
 if __name__ == "__main__":

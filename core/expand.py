@@ -80,14 +80,14 @@ class CopyList:
         return len(self.nbytes)
 
 
-def expand_pages(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = None) -> PageCopies:
-    """Return the page copies of `bound` against `layout`, in CPU-row order.
+def check_bound(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = None) -> int:
+    """Return the bytes `bound` moves against `layout`, after checking that it fits.
 
     Group `g` with `n = group_sizes[g] > 0` consumes `n` GPU ids and `ceil((n + skip) / F)` rows,
-    with `skip = block_indices[g] % F`; its page `k` lands in slot `(skip + k) % F` of row
-    `(skip + k) // F`. Every id and row must be consumed exactly, ids must index every ref of the
-    group, rows must lie below `num_rows` (when given), and a store may not write a row twice:
-    otherwise PlanInvariantError names the group.
+    with `skip = block_indices[g] % F`. Every id and row must be consumed exactly, ids must index
+    every ref of the group, rows must lie below `num_rows` (when given), and a store may not
+    write a row twice: otherwise PlanInvariantError names the group. Costs O(ids + rows) in
+    numpy, never a step per page, so a GPU executor can afford it on every submit.
     """
     plan = bound.plan
     f = layout.blocks_per_chunk
@@ -102,9 +102,7 @@ def expand_pages(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = N
         fail("blocks_per_chunk", f"{f} (the layout's F)", plan.blocks_per_chunk)
     if plan.num_groups != layout.num_groups:
         fail("group_sizes", f"{layout.num_groups} groups (the layout's)", plan.num_groups)
-    row_bytes = layout.row_bytes
-    parts: list[tuple[IdArray, ...]] = []
-    id_start = key_start = 0
+    id_start = key_start = total = 0
     for g, (n, first) in enumerate(zip(plan.group_sizes, plan.block_indices, strict=True)):
         skip = first % f
         n_rows = chunks_spanned(n, skip, f)
@@ -122,6 +120,37 @@ def expand_pages(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = N
             fail("gpu_block_ids", f"ids below {layout.groups[g].num_blocks}", int(ids.max()), g)
         if num_rows is not None and int(rows.max()) >= num_rows:
             fail("cpu_rows", f"rows below {num_rows} (the tier's)", int(rows.max()), g)
+        total += n * sum(ref.page_bytes for ref in layout.groups[g].refs)
+    if id_start != len(plan.gpu_block_ids):
+        fail("gpu_block_ids", f"{id_start} ids in all", len(plan.gpu_block_ids))
+    if key_start != len(bound.cpu_rows):
+        fail("cpu_rows", f"{key_start} rows in all", len(bound.cpu_rows))
+    if plan.direction is Direction.STORE and len(np.unique(bound.cpu_rows)) != len(bound.cpu_rows):
+        fail("cpu_rows", "distinct rows (a store writes each row once)", bound.cpu_rows.tolist())
+    return total
+
+
+def expand_pages(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = None) -> PageCopies:
+    """Return the page copies of `bound` against `layout`, in CPU-row order.
+
+    `check_bound` checks the plan first (and raises what it raises). Group `g`'s page `k` lands
+    in slot `(skip + k) % F` of row `(skip + k) // F`.
+    """
+    check_bound(bound, layout, num_rows=num_rows)
+    plan = bound.plan
+    f = layout.blocks_per_chunk
+    row_bytes = layout.row_bytes
+    parts: list[tuple[IdArray, ...]] = []
+    id_start = key_start = 0
+    for g, (n, first) in enumerate(zip(plan.group_sizes, plan.block_indices, strict=True)):
+        skip = first % f
+        n_rows = chunks_spanned(n, skip, f)
+        ids = plan.gpu_block_ids[id_start : id_start + n]
+        rows = bound.cpu_rows[key_start : key_start + n_rows]
+        id_start += n
+        key_start += n_rows
+        if n == 0:
+            continue
         parts.append(
             _expand_group(
                 g=g,
@@ -133,12 +162,6 @@ def expand_pages(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = N
                 row_bytes=row_bytes,
             )
         )
-    if id_start != len(plan.gpu_block_ids):
-        fail("gpu_block_ids", f"{id_start} ids in all", len(plan.gpu_block_ids))
-    if key_start != len(bound.cpu_rows):
-        fail("cpu_rows", f"{key_start} rows in all", len(bound.cpu_rows))
-    if plan.direction is Direction.STORE and len(np.unique(bound.cpu_rows)) != len(bound.cpu_rows):
-        fail("cpu_rows", "distinct rows (a store writes each row once)", bound.cpu_rows.tolist())
     if len(parts) == 1:
         gpu, cpu, nbytes, key, group, block = parts[0]
     else:

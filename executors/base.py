@@ -16,7 +16,7 @@ import attrs
 
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.errors import InvalidInputError, KvferryError
-from kvferry.core.expand import PageCopies, expand_pages
+from kvferry.core.expand import check_bound
 from kvferry.core.layout import KVLayout
 from kvferry.executors.host import HostRegistrar, HostTier
 from kvferry.executors.tensors import KVTensor, RegisteredTensor, build_layout
@@ -85,8 +85,9 @@ class Executor(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def _enqueue(self, bound: BoundPlan, pages: PageCopies) -> Any:
-        """Queue the copies of `pages`; return a handle `_done`/`_finish` understand."""
+    def _enqueue(self, bound: BoundPlan) -> Any:
+        """Queue the copies of `bound` (checked by `check_bound`); return a handle
+        `_done`/`_finish` understand."""
 
     @abc.abstractmethod
     def _done(self, handle: Any) -> bool:
@@ -147,10 +148,10 @@ class Executor(abc.ABC):
                 got=bound.job_id,
             )
         submitted = time.perf_counter()
-        pages = expand_pages(bound, self._layout, num_rows=self._host.num_rows)
-        job = _Job(job_id=bound.job_id, nbytes=pages.total_bytes, submitted=submitted, handle=None)
+        nbytes = check_bound(bound, self._layout, num_rows=self._host.num_rows)
+        job = _Job(job_id=bound.job_id, nbytes=nbytes, submitted=submitted, handle=None)
         try:
-            job.handle = self._enqueue(bound, pages)
+            job.handle = self._enqueue(bound)
         except KvferryError:
             raise
         except Exception as error:  # a backend failure becomes a failed job, not a crash

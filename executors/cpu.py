@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from kvferry.core.bound import BoundPlan
-from kvferry.core.expand import PageCopies, copy_list
+from kvferry.core.expand import copy_list, expand_pages
 from kvferry.executors.base import Executor
 from kvferry.executors.tensors import KVTensor
 
@@ -34,9 +34,9 @@ class CpuExecutor(Executor):
     ) -> None:
         super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
 
-    def _enqueue(self, bound: BoundPlan, pages: PageCopies) -> float:
+    def _enqueue(self, bound: BoundPlan) -> float:
         start = time.perf_counter()
-        copies = copy_list(pages, self.host_tier.address)
+        copies = copy_list(expand_pages(bound, self.layout), self.host_tier.address)
         for src, dst, size in zip(
             copies.src.tolist(), copies.dst.tolist(), copies.nbytes.tolist(), strict=True
         ):

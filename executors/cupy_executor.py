@@ -10,21 +10,30 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import ExecutorUnavailableError
-from kvferry.core.expand import CopyList, PageCopies, copy_list, split_copies
-from kvferry.core.plan import Direction
-from kvferry.executors.base import CopyPath, Executor
+from kvferry.core.expand import copy_list, expand_pages, split_copies
+from kvferry.executors.base import CopyPath
 from kvferry.executors.host import HostRegistrar
-from kvferry.executors.staging import plan_stages
+from kvferry.executors.kernels import (
+    PIECE_BYTES,
+    STAGE_COPY_NAME,
+    STAGE_COPY_SOURCE,
+    THREADS,
+    ZERO_COPY_NAME,
+    ZERO_COPY_SOURCE,
+)
+from kvferry.executors.staged import (
+    DEFAULT_COPY_BLOCKS,
+    DEFAULT_STAGING_BYTES,
+    GpuJob,
+    StagedGpuExecutor,
+)
+from kvferry.executors.staging import StageBatch
 from kvferry.executors.tensors import KVTensor
-
-DEFAULT_STAGING_BYTES = 64 << 20
-"""GPU staging per direction unless told otherwise."""
 
 _HOST_REGISTER_FLAGS = 1 | 2
 """cudaHostRegisterPortable | cudaHostRegisterMapped (device access through UVA)."""
@@ -32,35 +41,8 @@ _HOST_REGISTER_FLAGS = 1 | 2
 _MEMCPY_DEFAULT = 4
 """cudaMemcpyDefault: the direction follows from the (unified) addresses."""
 
-_COPY_KERNEL = r"""
-extern "C" __global__ void kvferry_copy(const long long* __restrict__ desc, const long long n) {
-    // desc holds three columns of n: source addresses, destination addresses, byte counts.
-    for (long long d = blockIdx.x; d < n; d += gridDim.x) {
-        const unsigned long long s = (unsigned long long)desc[d];
-        const unsigned long long t = (unsigned long long)desc[n + d];
-        const long long m = desc[2 * n + d];
-        const unsigned long long all = s | t | (unsigned long long)m;
-        if ((all & 15ULL) == 0ULL) {
-            const int4* src = (const int4*)s;
-            int4* dst = (int4*)t;
-            for (long long i = threadIdx.x; i < (m >> 4); i += blockDim.x) dst[i] = src[i];
-        } else if ((all & 3ULL) == 0ULL) {
-            const int* src = (const int*)s;
-            int* dst = (int*)t;
-            for (long long i = threadIdx.x; i < (m >> 2); i += blockDim.x) dst[i] = src[i];
-        } else {
-            const unsigned char* src = (const unsigned char*)s;
-            unsigned char* dst = (unsigned char*)t;
-            for (long long i = threadIdx.x; i < m; i += blockDim.x) dst[i] = src[i];
-        }
-    }
-}
-"""
-
-_THREADS = 256
-_PIECE_BYTES = 64 << 10
-"""Copies longer than this are split, so a large page is shared by many thread blocks."""
 _MAX_BLOCKS = 65535
+"""Most thread blocks of one launch in x."""
 
 
 def load_cupy() -> Any:
@@ -94,25 +76,15 @@ class CupyRegistrar:
         self._runtime.hostUnregister(address)
 
 
-@attrs.define
-class _CupyJob:
-    start: Any
-    end: Any
-    keep: list[Any]
-    path: CopyPath
+PathChoice = Callable[[BoundPlan], CopyPath]
 
 
-PathChoice = Callable[[PageCopies], CopyPath]
+class CupyExecutor(StagedGpuExecutor):
+    """The staged path (`executors.staged`) on CuPy streams, events and `RawKernel`s.
 
-
-class CupyExecutor(Executor):
-    """Moves bytes with one descriptor-driven copy kernel plus DMAs.
-
-    `CopyPath.STAGED` (default): the kernel gathers pages into a GPU staging buffer laid out as
-    CPU rows, then one `cudaMemcpyAsync` per contiguous CPU range (loads: the reverse); two
-    staging halves and a link and a work stream per direction overlap the kernel and the DMAs.
-    `CopyPath.ZERO_COPY`: the kernel reads or writes the pinned tier directly (UVA), on
-    `zero_copy_blocks` thread blocks. `copy_path` may be a function choosing per transfer.
+    `CopyPath.STAGED` (default): see `StagedGpuExecutor`. `CopyPath.ZERO_COPY`: one kernel reads
+    or writes the pinned tier directly (UVA), on `zero_copy_blocks` thread blocks, from page
+    copies listed on the host. `copy_path` may be a function choosing per transfer.
     """
 
     name = "cupy"
@@ -125,6 +97,7 @@ class CupyExecutor(Executor):
         num_rows: int,
         compute_stream: Any = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        copy_blocks: int = DEFAULT_COPY_BLOCKS,
         copy_path: CopyPath | PathChoice = CopyPath.STAGED,
         zero_copy_blocks: int = 32,
     ) -> None:
@@ -139,25 +112,23 @@ class CupyExecutor(Executor):
             raise ExecutorUnavailableError("the cupy executor needs a CUDA device; none is visible")
         self._cupy = cupy
         self._cupyx = importlib.import_module("cupyx")
-        super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
-        _, _, index = self.device.partition(":")
-        self._device = cupy.cuda.Device(int(index)) if index else cupy.cuda.Device()
-        with self._device:
+        super().__init__(
+            kv_caches=kv_caches,
+            blocks_per_chunk=blocks_per_chunk,
+            num_rows=num_rows,
+            staging_bytes=staging_bytes,
+            copy_blocks=copy_blocks,
+        )
+        with self._on_device():
             self._compute_stream = self._as_stream(compute_stream)
-            self._streams = {
-                Direction.LOAD: cupy.cuda.Stream(non_blocking=True),
-                Direction.STORE: cupy.cuda.Stream(non_blocking=True),
-            }
-            self._work_streams = {
-                Direction.LOAD: cupy.cuda.Stream(non_blocking=True),
-                Direction.STORE: cupy.cuda.Stream(non_blocking=True),
-            }
-        self._last_end: dict[Direction, Any] = {}
-        self._half_bytes = max(staging_bytes // 2, self.layout.row_bytes)
-        self._staging: dict[Direction, list[Any]] = {}
+            self._stage_kernel = cupy.RawKernel(STAGE_COPY_SOURCE, STAGE_COPY_NAME)
+            self._zero_copy_kernel = cupy.RawKernel(ZERO_COPY_SOURCE, ZERO_COPY_NAME)
         self._copy_path = copy_path
         self._zero_copy_blocks = zero_copy_blocks
-        self._kernel = cupy.RawKernel(_COPY_KERNEL, "kvferry_copy")
+
+    def _on_device(self) -> Any:
+        _, _, index = self.device.partition(":")
+        return self._cupy.cuda.Device(int(index)) if index else self._cupy.cuda.Device()
 
     def _registrar(self) -> HostRegistrar:
         return CupyRegistrar(self._cupy)
@@ -177,127 +148,107 @@ class CupyExecutor(Executor):
         handle = getattr(stream, "cuda_stream", stream)
         return cuda.ExternalStream(int(handle))
 
-    def choose_path(self, pages: PageCopies) -> CopyPath:
+    def choose_path(self, bound: BoundPlan) -> CopyPath:
         """Return the copy path for one transfer (the configured one, or what its function says)."""
         if isinstance(self._copy_path, CopyPath):
             return self._copy_path
-        return self._copy_path(pages)
+        return self._copy_path(bound)
 
-    def _stages(self, direction: Direction) -> list[int]:
-        """Return the addresses of the direction's two staging buffers (allocated on first use)."""
-        if direction not in self._staging:
-            self._staging[direction] = [
-                self._cupy.empty(self._half_bytes, dtype=np.uint8) for _ in range(2)
-            ]
-        return [int(buffer.data.ptr) for buffer in self._staging[direction]]
+    # --- StagedGpuExecutor's primitives, in CuPy -----------------------------------------------
 
-    def _launch(self, copies: CopyList, stream: Any, keep: list[Any], *, blocks: int) -> None:
-        """Queue one kernel over `copies` (absolute addresses) on `stream`."""
-        if blocks >= _MAX_BLOCKS:
-            copies = split_copies(copies, _PIECE_BYTES)
-        n = len(copies)
-        if n == 0:
-            return
-        host: IdArray = self._cupyx.empty_pinned(3 * n, dtype=np.int64)
-        host[:n], host[n : 2 * n], host[2 * n :] = copies.src, copies.dst, copies.nbytes
+    def _new_stream(self) -> Any:
+        return self._cupy.cuda.Stream(non_blocking=True)
+
+    def _new_event(self, *, timing: bool = False) -> Any:
+        return self._cupy.cuda.Event(disable_timing=not timing)
+
+    def _record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def _wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def _compute_stream_now(self) -> Any:
+        return self._compute_stream or self._cupy.cuda.get_current_stream()
+
+    def _allocate(self, nbytes: int) -> Any:
+        return self._cupy.empty(nbytes, dtype=np.uint8)
+
+    def _upload(self, values: IdArray, stream: Any, keep: list[Any]) -> Any:
+        host = self._cupyx.empty_pinned(len(values), dtype=np.int64)
+        host[:] = values
         with stream:
-            device = self._cupy.empty(3 * n, dtype=np.int64)
+            device = self._cupy.empty(len(values), dtype=np.int64)
         self._cupy.cuda.runtime.memcpyAsync(
-            device.data.ptr, host.ctypes.data, 3 * n * 8, 1, stream.ptr
+            device.data.ptr, host.ctypes.data, host.nbytes, 1, stream.ptr
         )
         keep.extend((host, device))
-        grid = (max(1, min(n, blocks, _MAX_BLOCKS)),)
+        return device
+
+    def _launch_stage_copy(
+        self,
+        stream: Any,
+        *,
+        segments: Any,
+        count: int,
+        ids: Any,
+        stage: Any,
+        to_stage: bool,
+        blocks: int,
+    ) -> None:
         with stream:
-            self._kernel(grid, (_THREADS,), (device, np.int64(n)))
-
-    def _enqueue(self, bound: BoundPlan, pages: PageCopies) -> _CupyJob:
-        with self._device:
-            return self._enqueue_on_device(bound, pages)
-
-    def _enqueue_on_device(self, bound: BoundPlan, pages: PageCopies) -> _CupyJob:
-        cupy = self._cupy
-        direction = pages.direction
-        link, work = self._streams[direction], self._work_streams[direction]
-        compute = self._compute_stream or cupy.cuda.get_current_stream()
-        path = self.choose_path(pages)
-        ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(compute)
-        previous = self._last_end.get(direction)
-        for stream in (link, work):
-            stream.wait_event(ready)
-            if previous is not None:
-                stream.wait_event(previous)
-        job = _CupyJob(start=cupy.cuda.Event(), end=cupy.cuda.Event(), keep=[], path=path)
-        job.start.record(link)
-        if path is CopyPath.ZERO_COPY:
-            copies = copy_list(
-                pages, self.host_tier.address, piece_bytes=self.host_tier.piece_bytes
+            self._stage_kernel(
+                (blocks,),
+                (THREADS,),
+                (segments, np.int32(count), ids, stage, np.int32(to_stage), np.int32(PIECE_BYTES)),
             )
-            self._launch(copies, link, job.keep, blocks=self._zero_copy_blocks)
-            job.end.record(link)
+
+    def _dma(self, batch: StageBatch, stage: Any, stream: Any, *, to_host: bool) -> None:
+        memcpy = self._cupy.cuda.runtime.memcpyAsync
+        stage_address, host = int(stage.data.ptr), self.host_tier.address
+        dma = batch.dma
+        if to_host:
+            sources, targets = (dma.src + stage_address).tolist(), (dma.dst + host).tolist()
         else:
-            last = self._staged(bound, pages, link, work, job.keep)
-            job.end.record(last)
-        self._last_end[direction] = job.end
-        return job
+            sources, targets = (dma.src + host).tolist(), (dma.dst + stage_address).tolist()
+        for src, dst, size in zip(sources, targets, dma.nbytes.tolist(), strict=True):
+            memcpy(dst, src, size, _MEMCPY_DEFAULT, stream.ptr)
 
-    def _staged(
-        self, bound: BoundPlan, pages: PageCopies, link: Any, work: Any, keep: list[Any]
-    ) -> Any:
-        """Queue a staged transfer, double-buffered (the kernel on `work` overlaps the DMAs on
-        `link`); return the stream whose last operation ends the job."""
-        cupy = self._cupy
-        direction = pages.direction
-        host = self.host_tier.address
-        stages = self._stages(direction)
-        batches = plan_stages(
-            bound,
-            pages,
-            self.layout,
-            capacity=self._half_bytes,
-            piece_bytes=self.host_tier.piece_bytes,
-            group_slices=False,
-        )
-        memcpy = cupy.cuda.runtime.memcpyAsync
-        freed: list[Any] = [None, None]
-        for k, batch in enumerate(batches):
-            stage = stages[k % 2]
-            dma, dev = batch.dma, batch.device
-            done = cupy.cuda.Event(disable_timing=True)
-            released = cupy.cuda.Event(disable_timing=True)
-            if direction is Direction.STORE:
-                if freed[k % 2] is not None:
-                    work.wait_event(freed[k % 2])
-                gather = CopyList(src=dev.src, dst=dev.dst + stage, nbytes=dev.nbytes)
-                self._launch(gather, work, keep, blocks=_MAX_BLOCKS)
-                done.record(work)
-                link.wait_event(done)
-                sources, targets = (dma.src + stage).tolist(), (dma.dst + host).tolist()
-                for s, d, size in zip(sources, targets, dma.nbytes.tolist(), strict=True):
-                    memcpy(d, s, size, _MEMCPY_DEFAULT, link.ptr)
-                released.record(link)
-            else:
-                if freed[k % 2] is not None:
-                    link.wait_event(freed[k % 2])
-                sources, targets = (dma.src + host).tolist(), (dma.dst + stage).tolist()
-                for s, d, size in zip(sources, targets, dma.nbytes.tolist(), strict=True):
-                    memcpy(d, s, size, _MEMCPY_DEFAULT, link.ptr)
-                done.record(link)
-                work.wait_event(done)
-                scatter = CopyList(src=dev.src + stage, dst=dev.dst, nbytes=dev.nbytes)
-                self._launch(scatter, work, keep, blocks=_MAX_BLOCKS)
-                released.record(work)
-            freed[k % 2] = released
-        return link if direction is Direction.STORE else work
+    def _event_done(self, event: Any) -> bool:
+        return bool(event.done)
 
-    def _done(self, handle: _CupyJob) -> bool:
-        return bool(handle.end.done)
+    def _elapsed(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return float(self._cupy.cuda.get_elapsed_time(start, end)) / 1000.0
 
-    def _finish(self, handle: _CupyJob) -> float:
-        handle.end.synchronize()
-        return float(self._cupy.cuda.get_elapsed_time(handle.start, handle.end)) / 1000.0
+    def _synchronize(self, stream: Any) -> None:
+        stream.synchronize()
 
-    def _release(self) -> None:
-        for stream in (*self._streams.values(), *self._work_streams.values()):
-            stream.synchronize()
-        self._staging.clear()
+    # --- the job ---------------------------------------------------------------------------------
+
+    def _enqueue(self, bound: BoundPlan) -> GpuJob:
+        with self._on_device():
+            if self.choose_path(bound) is CopyPath.ZERO_COPY:
+                return self._enqueue_zero_copy(bound)
+            return self._enqueue_staged(bound)
+
+    def _enqueue_zero_copy(self, bound: BoundPlan) -> GpuJob:
+        """Queue one kernel that copies every page straight between the KV tensors and the tier."""
+        direction = bound.plan.direction
+        link = self._link[direction]
+        job = self._begin(direction, CopyPath.ZERO_COPY)
+        pages = expand_pages(bound, self.layout)
+        copies = copy_list(pages, self.host_tier.address, piece_bytes=self.host_tier.piece_bytes)
+        if self._zero_copy_blocks >= _MAX_BLOCKS:
+            copies = split_copies(copies, PIECE_BYTES)
+        n = len(copies)
+        if n:
+            table = np.concatenate((copies.src, copies.dst, copies.nbytes))
+            device = self._upload(table, link, job.keep)
+            with link:
+                self._zero_copy_kernel(
+                    (max(1, min(n, self._zero_copy_blocks, _MAX_BLOCKS)),),
+                    (THREADS,),
+                    (device, np.int64(n)),
+                )
+        return self._end(direction, job, link)

@@ -16,7 +16,7 @@ import numpy as np
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.expand import expand_pages
+from kvferry.core.expand import check_bound
 from kvferry.core.keys import OffloadKey
 from kvferry.core.layout import KVLayout
 from kvferry.core.plan import TransferPlan, chunks_spanned
@@ -174,9 +174,9 @@ class FaultyExecutor:
                     expected=fingerprint,
                     got=bound.layout_fingerprint,
                 )
-            expand_pages(bound, self._inner.layout, num_rows=self._inner.host_tier.num_rows)
+            check_bound(bound, self._inner.layout, num_rows=self._inner.host_tier.num_rows)
         elif point is FaultPoint.MIDWAY:
-            expand_pages(bound, self._inner.layout, num_rows=self._inner.host_tier.num_rows)
+            check_bound(bound, self._inner.layout, num_rows=self._inner.host_tier.num_rows)
             self._inner.submit(truncated_plan(bound))
         else:
             self._inner.submit(bound)

@@ -19,7 +19,7 @@ from kvferry.adapters.demo_report import DemoReport
 from kvferry.adapters.demo_verify import VerificationFailedError
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.expand import PageCopies
+from kvferry.core.expand import expand_pages
 from kvferry.core.plan import Direction
 from kvferry.executors.cpu import CpuExecutor
 
@@ -92,12 +92,12 @@ class _FlipTierByte(CpuExecutor):
 
     flipped = False
 
-    def _enqueue(self, bound: BoundPlan, pages: PageCopies) -> float:
+    def _enqueue(self, bound: BoundPlan) -> float:
         if bound.plan.direction is Direction.LOAD and not _FlipTierByte.flipped:
             _FlipTierByte.flipped = True
-            offset = int(pages.cpu_offset[0]) + 5
+            offset = int(expand_pages(bound, self.layout).cpu_offset[0]) + 5
             self.host_tier.array[offset] ^= 0x01
-        return super()._enqueue(bound, pages)
+        return super()._enqueue(bound)
 
 
 class _SwapDestinations(CpuExecutor):

@@ -7,11 +7,14 @@ the torch executor without a GPU; ordering and speed are the GPU tests' business
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 from collections.abc import Iterator
 from typing import Any
 
+from kvferry.core.plan import Direction
 from kvferry.executors.host import HostRegistrar
+from kvferry.executors.staging import SEGMENT_FIELDS, segment_copies
 from kvferry.executors.torch_executor import TorchExecutor
 
 
@@ -89,7 +92,8 @@ class _Unpinnable:
 
 
 class TorchOnCpuExecutor(TorchExecutor):
-    """The torch executor over host tensors: same staging, views and copies, no CUDA."""
+    """The torch executor over host tensors: same batches, uploads and DMAs; the staging kernel's
+    work done by `segment_copies`, no CUDA."""
 
     name = "torch-on-cpu"
     on_gpu = False
@@ -107,3 +111,28 @@ class TorchOnCpuExecutor(TorchExecutor):
 
     def _registrar(self) -> HostRegistrar | None:
         return None
+
+    def _on_device(self) -> Any:
+        return contextlib.nullcontext()
+
+    def _launch_stage_copy(
+        self,
+        stream: Any,
+        *,
+        segments: Any,
+        count: int,
+        ids: Any,
+        stage: Any,
+        to_stage: bool,
+        blocks: int,
+    ) -> None:
+        """Do the kernel's work with `segment_copies` and memmove (no CUDA here)."""
+        table = segments.numpy().reshape(count, len(SEGMENT_FIELDS))
+        direction = Direction.STORE if to_stage else Direction.LOAD
+        copies = segment_copies(table, ids.numpy(), direction=direction)
+        base = stage.data_ptr()
+        src_base, dst_base = (0, base) if to_stage else (base, 0)
+        for src, dst, size in zip(
+            copies.src.tolist(), copies.dst.tolist(), copies.nbytes.tolist(), strict=True
+        ):
+            ctypes.memmove(dst + dst_base, src + src_base, size)

@@ -1,4 +1,5 @@
-"""Staged batches, replayed with memmove on host memory, copy the same bytes as direct copies."""
+"""Staged batches (segment tables and link copies), replayed with memmove on host memory, copy the
+same bytes as direct copies."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import ctypes
 
 import numpy as np
 import pytest
-from _harness import LAYOUT_CASES, NUM_ROWS, POISON_HOST, GroupMove, Model, backend_for, bound_plan
+from _harness import LAYOUT_CASES, POISON_HOST, GroupMove, Model, backend_for, bound_plan
 
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.expand import CopyList, expand_pages
+from kvferry.core.expand import CopyList, check_bound, expand_pages
 from kvferry.core.plan import Direction
-from kvferry.executors.staging import plan_stages
+from kvferry.executors.kernels import PIECE_BYTES
+from kvferry.executors.staging import StageBatch, plan_stages, segment_copies
 
 
 def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
@@ -22,22 +24,39 @@ def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
         ctypes.memmove(dst_base + d, src_base + s, n)
 
 
+def _batches(
+    model: Model, bound: BoundPlan, capacity: int, piece_bytes: int = 0
+) -> list[StageBatch]:
+    return list(
+        plan_stages(
+            bound,
+            model.executor.layout,
+            capacity=capacity,
+            piece_bytes=PIECE_BYTES,
+            tier_piece_bytes=piece_bytes,
+        )
+    )
+
+
 def _staged(model: Model, bound: BoundPlan, capacity: int, piece_bytes: int = 0) -> None:
-    """Run `bound` the way a GPU executor does, with a host array standing in for the staging."""
+    """Run `bound` the way a GPU executor does, with a host array standing in for the staging
+    and `segment_copies` for the staging kernel."""
     executor = model.executor
-    pages = expand_pages(bound, executor.layout, num_rows=NUM_ROWS)
     stage = np.full(capacity, 0x77, dtype=np.uint8)
     stage_address, host = int(stage.ctypes.data), executor.host_tier.address
-    batches = plan_stages(bound, pages, executor.layout, capacity=capacity, piece_bytes=piece_bytes)
-    assert sum(b.nbytes for b in batches) == pages.total_bytes
+    batches = _batches(model, bound, capacity, piece_bytes)
+    direction = bound.plan.direction
+    ids = bound.plan.gpu_block_ids
+    assert sum(b.nbytes for b in batches) == check_bound(bound, executor.layout)
     for batch in batches:
         assert batch.stage_bytes <= capacity
-        if bound.plan.direction is Direction.STORE:
-            _replay(batch.device, 0, stage_address)
+        pages = segment_copies(batch.segments, ids, direction=direction)
+        if direction is Direction.STORE:
+            _replay(pages, 0, stage_address)
             _replay(batch.dma, stage_address, host)
         else:
             _replay(batch.dma, host, stage_address)
-            _replay(batch.device, stage_address, 0)
+            _replay(pages, stage_address, 0)
 
 
 def _moves(f: int, groups: int, skip: int) -> list[GroupMove]:
@@ -84,8 +103,52 @@ def test_staged_store_and_load_match_direct_copies(case: str, rows_per_batch: in
 def test_a_staging_buffer_smaller_than_a_row_is_refused() -> None:
     model = Model(backend_for("cpu"), LAYOUT_CASES["mla"], 1)
     bound = bound_plan(1, Direction.STORE, 1, [GroupMove(ids=(1,), first=0, rows=(0,))])
-    pages = expand_pages(bound, model.executor.layout)
     with pytest.raises(InvalidInputError, match="staging_bytes"):
         plan_stages(
-            bound, pages, model.executor.layout, capacity=model.executor.layout.row_bytes - 1
+            bound,
+            model.executor.layout,
+            capacity=model.executor.layout.row_bytes - 1,
+            piece_bytes=PIECE_BYTES,
         )
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_consecutive_full_rows_cross_the_link_in_one_copy(direction: Direction) -> None:
+    model = Model(backend_for("cpu"), LAYOUT_CASES["blocks_first"], 1)
+    bound = bound_plan(1, direction, 1, [GroupMove(ids=(9, 2, 30, 4), first=0, rows=(5, 6, 7, 8))])
+    (batch,) = _batches(model, bound, capacity=4 * model.executor.layout.row_bytes)
+    assert len(batch.dma) == 1
+    assert batch.dma.total_bytes == 4 * model.executor.layout.row_bytes
+
+
+def test_a_store_of_a_partial_chunk_writes_only_its_pages() -> None:
+    model = Model(backend_for("cpu"), LAYOUT_CASES["blocks_first"], 3)
+    layout = model.executor.layout
+    bound = bound_plan(1, Direction.STORE, 3, [GroupMove(ids=(1, 2, 3, 4), first=0, rows=(0, 1))])
+    (batch,) = _batches(model, bound, capacity=2 * layout.row_bytes)
+    assert batch.dma.total_bytes == batch.nbytes
+    assert batch.dma.total_bytes < 2 * layout.row_bytes
+
+
+def test_the_segment_table_names_every_page_of_the_plan_once() -> None:
+    model = Model(backend_for("cpu"), LAYOUT_CASES["hybrid_three_groups"], 3)
+    layout = model.executor.layout
+    moves = _moves(3, len(LAYOUT_CASES["hybrid_three_groups"]), skip=1)
+    bound = bound_plan(1, Direction.LOAD, 3, moves)
+    gpu = np.concatenate(
+        [
+            segment_copies(b.segments, bound.plan.gpu_block_ids, direction=Direction.LOAD).dst
+            for b in _batches(model, bound, capacity=layout.row_bytes)
+        ]
+    )
+    expected = expand_pages(bound, layout).gpu_address
+    assert sorted(gpu.tolist()) == sorted(expected.tolist())
+    assert len(set(gpu.tolist())) == len(gpu)
+
+
+def test_each_batch_counts_its_kernel_pieces() -> None:
+    model = Model(backend_for("cpu"), LAYOUT_CASES["blocks_first"], 1)
+    bound = bound_plan(1, Direction.STORE, 1, [GroupMove(ids=(1, 2, 3), first=0, rows=(0, 1, 2))])
+    (batch,) = _batches(model, bound, capacity=3 * model.executor.layout.row_bytes)
+    pages = len(segment_copies(batch.segments, bound.plan.gpu_block_ids, direction=Direction.STORE))
+    assert batch.items == pages  # pages smaller than PIECE_BYTES are one piece each

@@ -1,0 +1,100 @@
+"""CUDA C sources of the copy kernels, shared by the GPU executors (compiled with NVRTC).
+
+The torch executor compiles them with `torch.cuda._compile_kernel`, the CuPy executor with
+`cupy.RawKernel`; both launch them with the same arguments, so both move the same bytes.
+"""
+
+from __future__ import annotations
+
+from kvferry.executors.staging import SEGMENT_FIELDS
+
+THREADS = 256
+"""Threads per thread block of every kernel here."""
+
+PIECE_BYTES = 64 << 10
+"""Largest piece of a page one thread block copies at a time, so a large page is shared."""
+
+STAGE_COPY_NAME = "kvferry_stage_copy"
+
+_STAGE_COPY_BODY = r"""
+extern "C" __global__ void kvferry_stage_copy(
+    const long long* __restrict__ seg, const int n_seg, const long long* __restrict__ ids,
+    unsigned char* stage, const int to_stage, const int piece) {
+    // seg: n_seg lines of WIDTH int64, columns named as in executors/staging.py.
+    const long long* last = seg + (long long)(n_seg - 1) * WIDTH;
+    const long long total =
+        last[FIRST_ITEM] + last[COUNT] * ((last[PAGE_BYTES] + piece - 1) / piece);
+    for (long long item = blockIdx.x; item < total; item += gridDim.x) {
+        int lo = 0, hi = n_seg - 1;  // the last segment whose first item is <= item
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (seg[(long long)mid * WIDTH + FIRST_ITEM] <= item) lo = mid; else hi = mid - 1;
+        }
+        const long long* s = seg + (long long)lo * WIDTH;
+        const long long pieces = (s[PAGE_BYTES] + piece - 1) / piece;
+        const long long local = item - s[FIRST_ITEM];
+        const long long p = local / pieces;
+        const long long c = (local - p * pieces) * piece;
+        const long long q = s[FIRST_POSITION] + p;
+        const unsigned long long staged = (unsigned long long)stage + s[STAGE_OFFSET]
+            + (q / s[SLOTS]) * s[ROW_PITCH] + (q % s[SLOTS]) * s[PAGE_STRIDE] + c;
+        const unsigned long long paged =
+            (unsigned long long)s[GPU_BASE] + ids[s[ID_OFFSET] + p] * s[PAGE_STRIDE] + c;
+        const long long m = (s[PAGE_BYTES] - c < piece) ? s[PAGE_BYTES] - c : piece;
+        const unsigned long long src = to_stage ? paged : staged;
+        const unsigned long long dst = to_stage ? staged : paged;
+        const unsigned long long all = src | dst | (unsigned long long)m;
+        if ((all & 15ULL) == 0ULL) {
+            const int4* a = (const int4*)src;
+            int4* b = (int4*)dst;
+            for (long long i = threadIdx.x; i < (m >> 4); i += blockDim.x) b[i] = a[i];
+        } else if ((all & 3ULL) == 0ULL) {
+            const int* a = (const int*)src;
+            int* b = (int*)dst;
+            for (long long i = threadIdx.x; i < (m >> 2); i += blockDim.x) b[i] = a[i];
+        } else {
+            const unsigned char* a = (const unsigned char*)src;
+            unsigned char* b = (unsigned char*)dst;
+            for (long long i = threadIdx.x; i < m; i += blockDim.x) b[i] = a[i];
+        }
+    }
+}
+"""
+
+STAGE_COPY_SOURCE = (
+    "".join(f"#define {name.upper()} {i}\n" for i, name in enumerate(SEGMENT_FIELDS))
+    + f"#define WIDTH {len(SEGMENT_FIELDS)}\n"
+    + _STAGE_COPY_BODY
+)
+"""Copies the pages of one staged batch between the KV tensors and the staging buffer:
+`to_stage` 1 gathers (store), 0 scatters (load). One thread block per piece of a page, grid
+stride; the page addresses come from the segment table and the block ids, never from the host."""
+
+ZERO_COPY_NAME = "kvferry_copy"
+
+ZERO_COPY_SOURCE = r"""
+extern "C" __global__ void kvferry_copy(const long long* __restrict__ desc, const long long n) {
+    // desc holds three columns of n: source addresses, destination addresses, byte counts.
+    for (long long d = blockIdx.x; d < n; d += gridDim.x) {
+        const unsigned long long s = (unsigned long long)desc[d];
+        const unsigned long long t = (unsigned long long)desc[n + d];
+        const long long m = desc[2 * n + d];
+        const unsigned long long all = s | t | (unsigned long long)m;
+        if ((all & 15ULL) == 0ULL) {
+            const int4* src = (const int4*)s;
+            int4* dst = (int4*)t;
+            for (long long i = threadIdx.x; i < (m >> 4); i += blockDim.x) dst[i] = src[i];
+        } else if ((all & 3ULL) == 0ULL) {
+            const int* src = (const int*)s;
+            int* dst = (int*)t;
+            for (long long i = threadIdx.x; i < (m >> 2); i += blockDim.x) dst[i] = src[i];
+        } else {
+            const unsigned char* src = (const unsigned char*)s;
+            unsigned char* dst = (unsigned char*)t;
+            for (long long i = threadIdx.x; i < m; i += blockDim.x) dst[i] = src[i];
+        }
+    }
+}
+"""
+"""Copies listed `(src, dst, nbytes)` descriptors; the CuPy executor's zero-copy path runs it
+with the pinned tier as one side (UVA addresses)."""

@@ -1,0 +1,236 @@
+"""The staged copy path both GPU executors share: batches through a double-buffered staging buffer.
+
+A store gathers a batch's pages into staging with one kernel launch (the page addresses are
+computed on the GPU from a small segment table), then copies the staging to the tier in one DMA
+per contiguous range of rows; a load does the reverse. Each direction has a link stream (DMAs), a
+work stream (kernels) and two staging halves, so the kernel of one batch overlaps the DMA of the
+next. A backend supplies only its library's streams, events, uploads, DMAs and kernel launch.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvferry.core.arrays import IdArray
+from kvferry.core.bound import BoundPlan
+from kvferry.core.plan import Direction
+from kvferry.executors.base import CopyPath, Executor
+from kvferry.executors.kernels import PIECE_BYTES
+from kvferry.executors.staging import StageBatch, plan_stages
+from kvferry.executors.tensors import KVTensor
+
+DEFAULT_STAGING_BYTES = 128 << 20
+"""GPU staging per direction (two halves) unless told otherwise."""
+
+DEFAULT_COPY_BLOCKS = 128
+"""Thread blocks of a staging kernel launch: enough for HBM speed, far fewer than a full GPU."""
+
+
+@attrs.define
+class GpuJob:
+    """One queued transfer: its timing events, what must outlive it, and the path it took."""
+
+    start: Any
+    end: Any
+    keep: list[Any]
+    path: CopyPath
+
+
+class StagedGpuExecutor(Executor):
+    """An executor whose transfers go through GPU staging; subclasses bind a CUDA library.
+
+    Every job first waits, with an event, on the compute stream (the one given at construction,
+    else the current stream at submit time), so it sees the bytes queued compute writes, and on
+    the previous job of its direction, so one direction runs in submission order. Staging is two
+    halves of `staging_bytes // 2` per direction (at least one row each), allocated on first use.
+    """
+
+    def __init__(
+        self,
+        *,
+        kv_caches: Sequence[Sequence[KVTensor]],
+        blocks_per_chunk: int,
+        num_rows: int,
+        staging_bytes: int,
+        copy_blocks: int,
+    ) -> None:
+        super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
+        self._half_bytes = max(staging_bytes // 2, self.layout.row_bytes)
+        self._copy_blocks = copy_blocks
+        with self._on_device():
+            self._link = {d: self._new_stream() for d in Direction}
+            self._work = {d: self._new_stream() for d in Direction}
+        self._last_end: dict[Direction, Any] = {}
+        self._staging: dict[Direction, list[Any]] = {}
+
+    # --- what a CUDA library provides ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def _on_device(self) -> AbstractContextManager[Any]:
+        """Return a context that makes the KV tensors' device current."""
+
+    @abc.abstractmethod
+    def _new_stream(self) -> Any:
+        """Return a new non-blocking stream on the executor's device."""
+
+    @abc.abstractmethod
+    def _new_event(self, *, timing: bool = False) -> Any:
+        """Return a new event (with timing when asked)."""
+
+    @abc.abstractmethod
+    def _record(self, event: Any, stream: Any) -> None:
+        """Record `event` on `stream`."""
+
+    @abc.abstractmethod
+    def _wait(self, stream: Any, event: Any) -> None:
+        """Make `stream` wait for `event`."""
+
+    @abc.abstractmethod
+    def _compute_stream_now(self) -> Any:
+        """Return the stream a job must wait on: the configured compute stream or the current."""
+
+    @abc.abstractmethod
+    def _allocate(self, nbytes: int) -> Any:
+        """Return a new GPU byte buffer of `nbytes`."""
+
+    @abc.abstractmethod
+    def _upload(self, values: IdArray, stream: Any, keep: list[Any]) -> Any:
+        """Return a GPU int64 buffer holding `values`, copied asynchronously on `stream`
+        (whatever must live until the copy ends goes in `keep`)."""
+
+    @abc.abstractmethod
+    def _launch_stage_copy(
+        self,
+        stream: Any,
+        *,
+        segments: Any,
+        count: int,
+        ids: Any,
+        stage: Any,
+        to_stage: bool,
+        blocks: int,
+    ) -> None:
+        """Launch `kernels.STAGE_COPY_SOURCE` on `stream` over `count` segment lines."""
+
+    @abc.abstractmethod
+    def _dma(self, batch: StageBatch, stage: Any, stream: Any, *, to_host: bool) -> None:
+        """Queue the batch's link copies between `stage` and the host tier on `stream`."""
+
+    @abc.abstractmethod
+    def _event_done(self, event: Any) -> bool:
+        """Return True once `event` has completed."""
+
+    @abc.abstractmethod
+    def _elapsed(self, start: Any, end: Any) -> float:
+        """Block until `end`; return the seconds from `start` to `end`."""
+
+    @abc.abstractmethod
+    def _synchronize(self, stream: Any) -> None:
+        """Block until `stream` is idle."""
+
+    def _slice(self, buffer: Any, start: int, stop: int) -> Any:
+        """Return elements `[start, stop)` of a GPU buffer (a view, no copy)."""
+        return buffer[start:stop]
+
+    # --- the shared path -------------------------------------------------------------------------
+
+    def _stages(self, direction: Direction) -> list[Any]:
+        """Return the direction's two staging halves (allocated on first use)."""
+        if direction not in self._staging:
+            self._staging[direction] = [self._allocate(self._half_bytes) for _ in range(2)]
+        return self._staging[direction]
+
+    def _begin(self, direction: Direction, path: CopyPath) -> GpuJob:
+        """Return a new job of `direction` whose streams wait on compute and the previous job."""
+        link, work = self._link[direction], self._work[direction]
+        ready = self._new_event()
+        self._record(ready, self._compute_stream_now())
+        previous = self._last_end.get(direction)
+        for stream in (link, work):
+            self._wait(stream, ready)
+            if previous is not None:
+                self._wait(stream, previous)
+        job = GpuJob(
+            start=self._new_event(timing=True), end=self._new_event(timing=True), keep=[], path=path
+        )
+        self._record(job.start, link)
+        return job
+
+    def _end(self, direction: Direction, job: GpuJob, stream: Any) -> GpuJob:
+        self._record(job.end, stream)
+        self._last_end[direction] = job.end
+        return job
+
+    def _enqueue_staged(self, bound: BoundPlan) -> GpuJob:
+        """Queue a staged transfer, double-buffered; return its job."""
+        direction = bound.plan.direction
+        link, work = self._link[direction], self._work[direction]
+        job = self._begin(direction, CopyPath.STAGED)
+        batches = plan_stages(
+            bound,
+            self.layout,
+            capacity=self._half_bytes,
+            piece_bytes=PIECE_BYTES,
+            tier_piece_bytes=self.host_tier.piece_bytes,
+        )
+        ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
+        table = np.concatenate([ids, *(batch.segments.ravel() for batch in batches)])
+        device_table = self._upload(table, work, job.keep)
+        device_ids = self._slice(device_table, 0, len(ids))
+        offset = len(ids)
+        stages = self._stages(direction)
+        freed: list[Any] = [None, None]
+        for k, batch in enumerate(batches):
+            stage = stages[k % 2]
+            size = batch.segments.size
+            segments = self._slice(device_table, offset, offset + size)
+            offset += size
+            launch = {
+                "segments": segments,
+                "count": len(batch.segments),
+                "ids": device_ids,
+                "stage": stage,
+                "to_stage": direction is Direction.STORE,
+                "blocks": max(1, min(batch.items, self._copy_blocks)),
+            }
+            done, released = self._new_event(), self._new_event()
+            if direction is Direction.STORE:
+                if freed[k % 2] is not None:
+                    self._wait(work, freed[k % 2])
+                self._on_stream(work, launch)
+                self._record(done, work)
+                self._wait(link, done)
+                self._dma(batch, stage, link, to_host=True)
+                self._record(released, link)
+            else:
+                if freed[k % 2] is not None:
+                    self._wait(link, freed[k % 2])
+                self._dma(batch, stage, link, to_host=False)
+                self._record(done, link)
+                self._wait(work, done)
+                self._on_stream(work, launch)
+                self._record(released, work)
+            freed[k % 2] = released
+        return self._end(direction, job, link if direction is Direction.STORE else work)
+
+    def _on_stream(self, stream: Any, launch: dict[str, Any]) -> None:
+        """Launch the staging kernel on `stream` when the batch has pages to copy."""
+        if launch["count"]:
+            self._launch_stage_copy(stream, **launch)
+
+    def _done(self, handle: GpuJob) -> bool:
+        return self._event_done(handle.end)
+
+    def _finish(self, handle: GpuJob) -> float:
+        return self._elapsed(handle.start, handle.end)
+
+    def _release(self) -> None:
+        for stream in (*self._link.values(), *self._work.values()):
+            self._synchronize(stream)
+        self._staging.clear()
