@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from transfer import KIB, VARIANTS, _bound, _ceiling, bench_kv_caches
+from transfer import KIB, VARIANTS, _bound, _ceiling, bench_kv_caches, catalog_rows
 
 from kvferry.core.plan import Direction
 from kvferry.executors import CopyPath, make_executor
@@ -79,8 +80,8 @@ class _Jobs:
 
 class _ExecutorJobs(_Jobs):
     """Jobs of an executor: random block ids from a random half of the blocks for stores and
-    the other half for loads (a store never reads what a load in flight writes), rows in
-    random order from disjoint halves of the tier."""
+    the other half for loads (a store never reads what a load in flight writes), rows from
+    disjoint halves of the tier, each half as a fresh kvferry Catalog allocates a job's rows."""
 
     def __init__(self, executor: Any, num_blocks: int, moved: int, seed: int) -> None:
         self._executor = executor
@@ -97,7 +98,7 @@ class _ExecutorJobs(_Jobs):
     def submit(self, direction: Direction) -> None:
         ids = self._rng.permutation(self._pool[direction])[: self._moved]
         base = 0 if direction is Direction.STORE else self._moved
-        rows = base + self._rng.permutation(self._moved)
+        rows = base + catalog_rows(self._moved)
         job = self._next
         self._next += 1
         self._direction[job] = direction
@@ -195,6 +196,60 @@ class _Matmul:
         return self.seconds_per_matmul()
 
 
+class _GpuSampler:
+    """Samples the SM clock, board power and active clock-limit reasons with `nvidia-smi` every
+    50 ms while in use (all NaN and no reasons where `nvidia-smi` is missing)."""
+
+    QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+    def __init__(self, device: int) -> None:
+        self._device = device
+        self._process: subprocess.Popen[str] | None = None
+        self.result: dict[str, Any] = {}
+
+    def __enter__(self) -> _GpuSampler:
+        try:
+            self._process = subprocess.Popen(
+                [
+                    "nvidia-smi",
+                    f"--query-gpu={self.QUERY}",
+                    "--format=csv,noheader,nounits",
+                    "-lms",
+                    "50",
+                    "-i",
+                    str(self._device),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+        except OSError:
+            self._process = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        clocks, powers, reasons = [], [], set()
+        if self._process is not None:
+            self._process.terminate()
+            out, _ = self._process.communicate(timeout=10)
+            for line in out.splitlines():
+                parts = [p.strip() for p in line.split(",")]
+                try:
+                    clocks.append(float(parts[0]))
+                    powers.append(float(parts[1]))
+                except (ValueError, IndexError):
+                    continue
+                if len(parts) > 2:
+                    reasons.add(parts[2])
+        nan = float("nan")
+        self.result = {
+            "sm_mhz": statistics.median(clocks) if clocks else nan,
+            "power_w": statistics.median(powers) if powers else nan,
+            "samples": len(clocks),
+            "limit_reasons": sorted(reasons),
+        }
+
+
 def _warm_up(jobs: _Jobs) -> None:
     """Run one job each way to its end (first-use allocations, kernel compilation)."""
     for direction in Direction:
@@ -273,7 +328,9 @@ def _measure_variant(
     _warm_up(jobs)
     until = time.perf_counter() + window
     alone_transfer = _drive(jobs, lambda: time.perf_counter() > until, depth=2, extend=True)
-    alone = matmul.alone()
+    device = torch.cuda.current_device()
+    with _GpuSampler(device) as sampled_alone:
+        alone = matmul.alone()
     matmul_started = False
 
     def stop() -> bool:
@@ -283,8 +340,9 @@ def _measure_variant(
             matmul_started = True
         return matmul.done()
 
-    together = _drive(jobs, stop, depth=2, extend=False)
-    with_transfers = matmul.seconds_per_matmul()
+    with _GpuSampler(device) as sampled_with:
+        together = _drive(jobs, stop, depth=2, extend=False)
+        with_transfers = matmul.seconds_per_matmul()
     torch.cuda.synchronize()
 
     def combined(rates: dict[str, dict[str, float]]) -> float:
@@ -300,6 +358,8 @@ def _measure_variant(
         "combined_ratio_together": combined(together),
         "store_ratio_together": together["store"]["gbps"] / ceiling["store"],
         "load_ratio_together": together["load"]["gbps"] / ceiling["load"],
+        "gpu_alone": sampled_alone.result,
+        "gpu_with": sampled_with.result,
     }
 
 
@@ -483,6 +543,14 @@ def main() -> int:
     for page_kib in pages:
         rows += _run_page(
             torch, args, page_kib, total=total, matmul=matmul, ceiling=ceiling, bidir=bidir
+        )
+    print("GPU during the matmul loop (nvidia-smi every 50 ms, medians): alone -> with transfers")
+    for row in rows:
+        alone, with_ = row["gpu_alone"], row["gpu_with"]
+        print(
+            f"{row['variant']:<18} {row['page_kib']:>4}Ki SM {alone['sm_mhz']:>6.0f} -> "
+            f"{with_['sm_mhz']:>6.0f} MHz, power {alone['power_w']:>5.0f} -> "
+            f"{with_['power_w']:>5.0f} W, limit reasons with: {' '.join(with_['limit_reasons'])}"
         )
     alone_ms = [r["matmul_alone_ms"] for r in rows]
     spread = (max(alone_ms) - min(alone_ms)) / statistics.median(alone_ms)

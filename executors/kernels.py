@@ -11,20 +11,40 @@ from kvferry.executors.staging import SEGMENT_FIELDS
 THREADS = 256
 """Threads per thread block of every kernel here."""
 
-PIECE_BYTES = 64 << 10
-"""Largest piece of a page one thread block copies at a time, so a large page is shared."""
+WARPS = THREADS // 32
+"""Warps per thread block: the staging kernel gives each warp one piece of a page at a time."""
+
+PIECE_BYTES = 16 << 10
+"""Largest piece of a page one warp copies at a time, so a large page is shared by many."""
 
 STAGE_COPY_NAME = "kvferry_stage_copy"
 
 _STAGE_COPY_BODY = r"""
+template <typename T>
+__device__ void warp_copy(unsigned long long src, unsigned long long dst, long long n, int lane) {
+    // n elements of T, 32 lanes, four loads in flight per lane before the stores.
+    const T* a = (const T*)src;
+    T* b = (T*)dst;
+    long long i = lane;
+    for (; i + 96 < n; i += 128) {
+        const T x0 = a[i], x1 = a[i + 32], x2 = a[i + 64], x3 = a[i + 96];
+        b[i] = x0; b[i + 32] = x1; b[i + 64] = x2; b[i + 96] = x3;
+    }
+    for (; i < n; i += 32) b[i] = a[i];
+}
+
 extern "C" __global__ void kvferry_stage_copy(
     const long long* __restrict__ seg, const int n_seg, const long long* __restrict__ ids,
     unsigned char* stage, const int to_stage, const int piece) {
-    // seg: n_seg lines of WIDTH int64, columns named as in executors/staging.py.
+    // seg: n_seg lines of WIDTH int64, columns named as in executors/staging.py. One warp per
+    // item (a piece of a page), grid stride.
     const long long* last = seg + (long long)(n_seg - 1) * WIDTH;
     const long long total =
         last[FIRST_ITEM] + last[COUNT] * ((last[PAGE_BYTES] + piece - 1) / piece);
-    for (long long item = blockIdx.x; item < total; item += gridDim.x) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long item = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total;
+         item += warps) {
         int lo = 0, hi = n_seg - 1;  // the last segment whose first item is <= item
         while (lo < hi) {
             const int mid = (lo + hi + 1) >> 1;
@@ -44,19 +64,9 @@ extern "C" __global__ void kvferry_stage_copy(
         const unsigned long long src = to_stage ? paged : staged;
         const unsigned long long dst = to_stage ? staged : paged;
         const unsigned long long all = src | dst | (unsigned long long)m;
-        if ((all & 15ULL) == 0ULL) {
-            const int4* a = (const int4*)src;
-            int4* b = (int4*)dst;
-            for (long long i = threadIdx.x; i < (m >> 4); i += blockDim.x) b[i] = a[i];
-        } else if ((all & 3ULL) == 0ULL) {
-            const int* a = (const int*)src;
-            int* b = (int*)dst;
-            for (long long i = threadIdx.x; i < (m >> 2); i += blockDim.x) b[i] = a[i];
-        } else {
-            const unsigned char* a = (const unsigned char*)src;
-            unsigned char* b = (unsigned char*)dst;
-            for (long long i = threadIdx.x; i < m; i += blockDim.x) b[i] = a[i];
-        }
+        if ((all & 15ULL) == 0ULL) warp_copy<int4>(src, dst, m >> 4, lane);
+        else if ((all & 3ULL) == 0ULL) warp_copy<int>(src, dst, m >> 2, lane);
+        else warp_copy<unsigned char>(src, dst, m, lane);
     }
 }
 """
@@ -67,8 +77,8 @@ STAGE_COPY_SOURCE = (
     + _STAGE_COPY_BODY
 )
 """Copies the pages of one staged batch between the KV tensors and the staging buffer:
-`to_stage` 1 gathers (store), 0 scatters (load). One thread block per piece of a page, grid
-stride; the page addresses come from the segment table and the block ids, never from the host."""
+`to_stage` 1 gathers (store), 0 scatters (load). One warp per piece of a page, grid stride; the
+page addresses come from the segment table and the block ids, never from the host."""
 
 ZERO_COPY_NAME = "kvferry_copy"
 

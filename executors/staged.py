@@ -21,8 +21,8 @@ from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.plan import Direction
 from kvferry.executors.base import CopyPath, Executor
-from kvferry.executors.kernels import PIECE_BYTES
-from kvferry.executors.staging import StageBatch, plan_stages
+from kvferry.executors.kernels import PIECE_BYTES, WARPS
+from kvferry.executors.staging import StageBatch, StagePlanner
 from kvferry.executors.tensors import KVTensor
 
 DEFAULT_STAGING_BYTES = 128 << 20
@@ -63,6 +63,12 @@ class StagedGpuExecutor(Executor):
         super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
         self._half_bytes = max(staging_bytes // 2, self.layout.row_bytes)
         self._copy_blocks = copy_blocks
+        self._planner = StagePlanner(
+            self.layout,
+            capacity=self._half_bytes,
+            piece_bytes=PIECE_BYTES,
+            tier_piece_bytes=self.host_tier.piece_bytes,
+        )
         with self._on_device():
             self._link = {d: self._new_stream() for d in Direction}
             self._work = {d: self._new_stream() for d in Direction}
@@ -172,32 +178,24 @@ class StagedGpuExecutor(Executor):
         direction = bound.plan.direction
         link, work = self._link[direction], self._work[direction]
         job = self._begin(direction, CopyPath.STAGED)
-        batches = plan_stages(
-            bound,
-            self.layout,
-            capacity=self._half_bytes,
-            piece_bytes=PIECE_BYTES,
-            tier_piece_bytes=self.host_tier.piece_bytes,
-        )
+        plan = self._planner.plan(bound)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
-        table = np.concatenate([ids, *(batch.segments.ravel() for batch in batches)])
-        device_table = self._upload(table, work, job.keep)
+        device_table = self._upload(np.concatenate((ids, plan.table.ravel())), work, job.keep)
         device_ids = self._slice(device_table, 0, len(ids))
-        offset = len(ids)
+        width = plan.table.shape[1]
         stages = self._stages(direction)
         freed: list[Any] = [None, None]
-        for k, batch in enumerate(batches):
+        for k, batch in enumerate(plan.batches):
             stage = stages[k % 2]
-            size = batch.segments.size
-            segments = self._slice(device_table, offset, offset + size)
-            offset += size
+            offset = len(ids) + batch.first_line * width
+            segments = self._slice(device_table, offset, offset + batch.segments.size)
             launch = {
                 "segments": segments,
                 "count": len(batch.segments),
                 "ids": device_ids,
                 "stage": stage,
                 "to_stage": direction is Direction.STORE,
-                "blocks": max(1, min(batch.items, self._copy_blocks)),
+                "blocks": max(1, min(-(-batch.items // WARPS), self._copy_blocks)),
             }
             done, released = self._new_event(), self._new_event()
             if direction is Direction.STORE:

@@ -16,7 +16,7 @@ import numpy as np
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.expand import CopyList, merge_copies
+from kvferry.core.expand import CopyList, merge_starts
 from kvferry.core.layout import KVLayout
 from kvferry.core.plan import Direction, chunks_spanned
 
@@ -51,12 +51,232 @@ class StageBatch:
     """Bytes of the staging buffer this batch uses."""
     dma: CopyList
     """Link copies as offsets: a store copies stage -> tier, a load tier -> stage (merged)."""
+    first_line: int
+    """Index of the batch's first line in the job's segment table."""
     segments: IdArray
-    """The segment table, `(n, len(SEGMENT_FIELDS))` int64; its `first_item` counts from 0."""
+    """The batch's lines of the segment table, `(n, len(SEGMENT_FIELDS))` int64 (a view); their
+    `first_item` counts from 0 in each batch."""
     items: int
     """Pieces the copy kernel moves for this batch (the sum over segments of pages x pieces)."""
     nbytes: int
     """Bytes of the plan this batch moves."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StagePlan:
+    """A job's batches and the one segment table they share (uploaded to the GPU once)."""
+
+    table: IdArray
+    """Every batch's lines, batch after batch, `(n, len(SEGMENT_FIELDS))` int64."""
+    batches: tuple[StageBatch, ...]
+    """The trips through staging, in order."""
+
+
+class StagePlanner:
+    """Plans staged transfers for one layout: what depends only on the layout is worked out
+    once here, so planning a job costs a few numpy passes over its keys and batches."""
+
+    def __init__(
+        self, layout: KVLayout, *, capacity: int, piece_bytes: int, tier_piece_bytes: int = 0
+    ) -> None:
+        if capacity < layout.row_bytes:
+            raise InvalidInputError(
+                field="staging_bytes",
+                expected=f"at least one row ({layout.row_bytes})",
+                got=capacity,
+            )
+        if piece_bytes < 16 or piece_bytes % 16:
+            raise InvalidInputError(
+                field="piece_bytes", expected="a positive multiple of 16", got=piece_bytes
+            )
+        f = layout.blocks_per_chunk
+        self._layout = layout
+        self._capacity = capacity
+        self._piece_bytes = piece_bytes
+        self._tier_piece_bytes = tier_piece_bytes
+        self._row_bytes = layout.row_bytes
+        self._group_bytes = np.array(
+            [layout.group_row_bytes(g) for g in range(layout.num_groups)], np.int64
+        )
+        self._dense = np.array(
+            [all(r.page_bytes == r.page_stride for r in g.refs) for g in layout.groups]
+        )
+        self._refs = []
+        for g, group in enumerate(layout.groups):
+            refs = np.zeros((len(group.refs), len(SEGMENT_FIELDS)), np.int64)
+            refs[:, _FIELD["gpu_base"]] = [r.address for r in group.refs]
+            refs[:, _FIELD["page_stride"]] = [r.page_stride for r in group.refs]
+            refs[:, _FIELD["page_bytes"]] = [r.page_bytes for r in group.refs]
+            refs[:, _FIELD["stage_offset"]] = group.row_offsets(f)
+            refs[:, _FIELD["row_pitch"]] = self._group_bytes[g]
+            refs[:, _FIELD["slots"]] = f
+            self._refs.append(refs)
+        self._pieces = [-(-refs[:, _FIELD["page_bytes"]] // piece_bytes) for refs in self._refs]
+
+    def plan(self, bound: BoundPlan) -> StagePlan:
+        """Return the batches of `bound`: runs of consecutive keys whose rows fit in staging.
+
+        Expects a plan `check_bound` accepted. A key takes `group_row_bytes(g)` of staging. A load
+        reads whole rows (bytes it does not need land in staging and stay there); a store writes
+        whole rows only where the plan fills them, and exactly its pages elsewhere (a partial
+        last chunk, padded pages), so the tier keeps every byte the plan does not name. No link
+        copy crosses a multiple of `tier_piece_bytes` in the tier (when it is > 0).
+        """
+        keys = self._keys(bound)
+        dma = self._link_copies(bound.plan.direction, keys)
+        table, batch_of_line = self._segment_table(bound, keys)
+        pieces = table[:, _FIELD["first_item"]].copy()  # pieces per line, until turned below
+        nbytes = table[:, _FIELD["count"]] * table[:, _FIELD["page_bytes"]]
+        line_bounds = np.searchsorted(batch_of_line, np.arange(len(keys.bounds)))
+        running = np.cumsum(pieces) - pieces
+        table[:, _FIELD["first_item"]] = running - running[line_bounds[:-1]][batch_of_line]
+        table.setflags(write=False)
+        ends = keys.stage + keys.size
+        batches = []
+        for b in range(len(keys.bounds) - 1):
+            l0, l1 = int(line_bounds[b]), int(line_bounds[b + 1])
+            batches.append(
+                StageBatch(
+                    stage_bytes=int(ends[keys.bounds[b + 1] - 1]),
+                    dma=dma[b],
+                    first_line=l0,
+                    segments=table[l0:l1],
+                    items=int(pieces[l0:l1].sum()),
+                    nbytes=int(nbytes[l0:l1].sum()),
+                )
+            )
+        return StagePlan(table=table, batches=tuple(batches))
+
+    def _keys(self, bound: BoundPlan) -> _Keys:
+        """Return the job's keys as columns, with their batches and staging offsets."""
+        plan = bound.plan
+        f = self._layout.blocks_per_chunk
+        sizes = np.asarray(plan.group_sizes, np.int64)
+        skips = np.asarray(plan.block_indices, np.int64) % f
+        rows = np.where(sizes > 0, -(-(sizes + skips) // f), 0)
+        group = np.repeat(np.arange(len(sizes)), rows)
+        first_row = np.cumsum(rows) - rows
+        first_slot = np.zeros(len(group), np.int64)
+        end_slot = np.full(len(group), f, np.int64)
+        used = rows > 0
+        first_slot[first_row[used]] = skips[used]
+        end_slot[(first_row + rows - 1)[used]] = (skips + sizes - (rows - 1) * f)[used]
+        size = self._group_bytes[group]
+        ends = np.cumsum(size)
+        starts = ends - size
+        bounds = [0]
+        while bounds[-1] < len(ends):
+            first = bounds[-1]
+            bounds.append(int(np.searchsorted(ends, starts[first] + self._capacity, "right")))
+        batch = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+        return _Keys(
+            group=group,
+            first_slot=first_slot,
+            end_slot=end_slot,
+            size=size,
+            stage=starts - starts[np.asarray(bounds[:-1], np.int64)][batch],
+            tier=np.asarray(bound.cpu_rows, np.int64) * self._row_bytes,
+            batch=batch,
+            bounds=tuple(bounds),
+        )
+
+    def _segment_table(self, bound: BoundPlan, keys: _Keys) -> tuple[IdArray, IdArray]:
+        """Return the job's segment table, batch after batch (column `first_item` holding each
+        line's piece count), and the batch of each line."""
+        plan = bound.plan
+        f = self._layout.blocks_per_chunk
+        lines, line_batch = [], []
+        id_start = key_start = 0
+        for g, (n, first_block) in enumerate(
+            zip(plan.group_sizes, plan.block_indices, strict=True)
+        ):
+            skip = first_block % f
+            rows = chunks_spanned(n, skip, f)
+            if rows:
+                # one slice per batch the group's rows fall in; k0/k1 count from its first row
+                cuts = np.flatnonzero(np.diff(keys.batch[key_start : key_start + rows])) + 1
+                k0 = np.concatenate(([0], cuts))
+                lo = np.maximum(skip, k0 * f)
+                hi = np.minimum(skip + n, np.concatenate((cuts, [rows])) * f)
+                refs = self._refs[g]
+                block = np.broadcast_to(refs, (len(k0), *refs.shape)).copy()
+                block[:, :, _FIELD["stage_offset"]] += keys.stage[key_start + k0][:, None]
+                block[:, :, _FIELD["id_offset"]] = (id_start + lo - skip)[:, None]
+                block[:, :, _FIELD["first_position"]] = (lo - k0 * f)[:, None]
+                block[:, :, _FIELD["count"]] = (hi - lo)[:, None]
+                block[:, :, _FIELD["first_item"]] = (hi - lo)[:, None] * self._pieces[g][None, :]
+                lines.append(block.reshape(-1, len(SEGMENT_FIELDS)))
+                line_batch.append(np.repeat(keys.batch[key_start + k0], len(refs)))
+            id_start += n
+            key_start += rows
+        if not lines:
+            return np.zeros((0, len(SEGMENT_FIELDS)), np.int64), np.zeros(0, np.int64)
+        batch_of_line = np.concatenate(line_batch)
+        order = np.argsort(batch_of_line, kind="stable")
+        return np.concatenate(lines)[order], batch_of_line[order]
+
+    def _link_copies(self, direction: Direction, keys: _Keys) -> list[CopyList]:
+        """Return each batch's merged link copies, as (stage, tier) offsets."""
+        f = self._layout.blocks_per_chunk
+        stage, tier, size, batch = keys.stage, keys.tier, keys.size, keys.batch
+        if len(batch) == 0:
+            return []
+        if direction is Direction.STORE:
+            whole = (keys.first_slot == 0) & (keys.end_slot == f) & self._dense[keys.group]
+            if not whole.all():
+                parts = [(stage[whole], tier[whole], size[whole], batch[whole])]
+                for k in np.flatnonzero(~whole).tolist():
+                    in_row, piece = self._exact_pieces(
+                        int(keys.group[k]), int(keys.first_slot[k]), int(keys.end_slot[k])
+                    )
+                    parts.append(
+                        (stage[k] + in_row, tier[k] + in_row, piece, np.full(len(piece), batch[k]))
+                    )
+                stage, tier, size, batch = (
+                    np.concatenate(column) for column in zip(*parts, strict=True)
+                )
+                order = np.lexsort((stage, batch))
+                stage, tier, size, batch = stage[order], tier[order], size[order], batch[order]
+        breaks = np.concatenate(([True], batch[1:] != batch[:-1]))
+        if self._tier_piece_bytes:
+            breaks |= tier % self._tier_piece_bytes == 0
+        starts = merge_starts(stage, tier, size, breaks=breaks)
+        copy_batch = batch[starts]
+        size = np.add.reduceat(size, starts) if len(starts) else size
+        stage, tier = stage[starts], tier[starts]
+        src, dst = (stage, tier) if direction is Direction.STORE else (tier, stage)
+        cuts = np.searchsorted(copy_batch, np.arange(len(keys.bounds)))
+        return [
+            CopyList(src=src[a:b], dst=dst[a:b], nbytes=size[a:b])
+            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True)
+        ]
+
+    def _exact_pieces(self, g: int, first_slot: int, end_slot: int) -> tuple[IdArray, IdArray]:
+        """Return (offset in the row, size) of each page a row of group `g` holds in slots
+        `[first_slot, end_slot)`; staging mirrors the tier, so the offset serves both sides."""
+        refs = self._refs[g]
+        slots = np.arange(first_slot, end_slot, dtype=np.int64)
+        offset = refs[:, _FIELD["stage_offset"], None]
+        stride = refs[:, _FIELD["page_stride"], None]
+        size = refs[:, _FIELD["page_bytes"], None]
+        in_row = (offset + slots[None, :] * stride).ravel()
+        return in_row, np.broadcast_to(size, (len(refs), len(slots))).ravel()
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _Keys:
+    """A job's keys as columns: group, the slots `[first_slot, end_slot)` of the row the plan
+    fills, staging bytes, offsets in its batch's staging and in the tier, and its batch."""
+
+    group: IdArray
+    first_slot: IdArray
+    end_slot: IdArray
+    size: IdArray
+    stage: IdArray
+    tier: IdArray
+    batch: IdArray
+    bounds: tuple[int, ...]
+    """Batch `b` holds keys `[bounds[b], bounds[b + 1])`."""
 
 
 def plan_stages(
@@ -67,199 +287,11 @@ def plan_stages(
     piece_bytes: int,
     tier_piece_bytes: int = 0,
 ) -> tuple[StageBatch, ...]:
-    """Return the batches of `bound`: runs of consecutive keys whose rows fit in `capacity`.
-
-    Expects a plan `check_bound` accepted. A key takes `layout.group_row_bytes(g)` of staging.
-    A load reads whole rows (bytes it does not need land in staging and stay there); a store
-    writes whole rows only where the plan fills them, and exactly its pages elsewhere (a partial
-    first or last chunk, padded pages), so the tier keeps every byte the plan does not name.
-    With `tier_piece_bytes > 0` no link copy crosses a multiple of it in the tier.
-    """
-    if capacity < layout.row_bytes:
-        raise InvalidInputError(
-            field="staging_bytes", expected=f"at least one row ({layout.row_bytes})", got=capacity
-        )
-    if piece_bytes < 16 or piece_bytes % 16:
-        raise InvalidInputError(
-            field="piece_bytes", expected="a positive multiple of 16", got=piece_bytes
-        )
-    plan = bound.plan
-    keys = _key_table(bound, layout)
-    ends = np.cumsum(keys.stage_bytes)
-    starts = ends - keys.stage_bytes
-    batches = []
-    first = 0
-    while first < len(ends):
-        last = int(np.searchsorted(ends, starts[first] + capacity, side="right"))
-        base = int(starts[first])
-        segments = _segments(bound, layout, keys=keys, first=first, last=last, base=base)
-        pages = segments[:, _FIELD["count"]]
-        page_bytes = segments[:, _FIELD["page_bytes"]]
-        pieces = pages * -(-page_bytes // piece_bytes)
-        segments[:, _FIELD["first_item"]] = np.cumsum(pieces) - pieces
-        segments.setflags(write=False)
-        batches.append(
-            StageBatch(
-                stage_bytes=int(ends[last - 1]) - base,
-                dma=_link_copies(
-                    plan.direction,
-                    layout,
-                    keys=keys,
-                    first=first,
-                    last=last,
-                    base=base,
-                    tier_piece_bytes=tier_piece_bytes,
-                ),
-                segments=segments,
-                items=int(pieces.sum()),
-                nbytes=int((pages * page_bytes).sum()),
-            )
-        )
-        first = last
-    return tuple(batches)
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class _Keys:
-    """Per key of a plan: its group, row, staging bytes, and which slots the plan fills."""
-
-    group: IdArray
-    row: IdArray
-    stage_bytes: IdArray
-    first_slot: IdArray
-    """Slots before this one (in the key's row) are outside the plan (the skip)."""
-    end_slot: IdArray
-    """Slots from this one on are outside the plan (a short last chunk)."""
-
-
-def _key_table(bound: BoundPlan, layout: KVLayout) -> _Keys:
-    plan = bound.plan
-    f = layout.blocks_per_chunk
-    groups, firsts, ends = [], [], []
-    for g, (n, first) in enumerate(zip(plan.group_sizes, plan.block_indices, strict=True)):
-        skip = first % f
-        rows = chunks_spanned(n, skip, f)
-        if rows == 0:
-            continue
-        groups.append(np.full(rows, g, np.int64))
-        first_slot = np.zeros(rows, np.int64)
-        first_slot[0] = skip
-        end_slot = np.full(rows, f, np.int64)
-        end_slot[-1] = (skip + n) - (rows - 1) * f
-        firsts.append(first_slot)
-        ends.append(end_slot)
-    if not groups:
-        empty = np.zeros(0, np.int64)
-        return _Keys(group=empty, row=empty, stage_bytes=empty, first_slot=empty, end_slot=empty)
-    group = np.concatenate(groups)
-    group_bytes = np.array([layout.group_row_bytes(g) for g in range(layout.num_groups)])
-    return _Keys(
-        group=group,
-        row=np.asarray(bound.cpu_rows, np.int64),
-        stage_bytes=group_bytes[group],
-        first_slot=np.concatenate(firsts),
-        end_slot=np.concatenate(ends),
+    """Return the batches of `bound` (a one-off `StagePlanner(...).plan(bound).batches`)."""
+    planner = StagePlanner(
+        layout, capacity=capacity, piece_bytes=piece_bytes, tier_piece_bytes=tier_piece_bytes
     )
-
-
-def _segments(
-    bound: BoundPlan, layout: KVLayout, *, keys: _Keys, first: int, last: int, base: int
-) -> IdArray:
-    """Return the segment table of keys `[first, last)` (its `first_item` column still zero)."""
-    plan = bound.plan
-    f = layout.blocks_per_chunk
-    stage_start = np.cumsum(keys.stage_bytes) - keys.stage_bytes - base
-    id_start = 0
-    key_start = 0
-    lines: list[list[int]] = []
-    for g, (n, first_block) in enumerate(zip(plan.group_sizes, plan.block_indices, strict=True)):
-        skip = first_block % f
-        rows = chunks_spanned(n, skip, f)
-        k0, k1 = max(first, key_start), min(last, key_start + rows)
-        if k0 < k1:
-            row0 = k0 - key_start
-            lo = max(skip, row0 * f)
-            hi = min(skip + n, (k1 - key_start) * f)
-            group = layout.groups[g]
-            for ref, offset in zip(group.refs, group.row_offsets(f), strict=True):
-                lines.append(
-                    [
-                        ref.address,
-                        ref.page_stride,
-                        ref.page_bytes,
-                        int(stage_start[k0]) + offset,
-                        layout.group_row_bytes(g),
-                        f,
-                        id_start + lo - skip,
-                        lo - row0 * f,
-                        hi - lo,
-                        0,
-                    ]
-                )
-        id_start += n
-        key_start += rows
-    return np.array(lines, dtype=np.int64).reshape(-1, len(SEGMENT_FIELDS))
-
-
-def _link_copies(
-    direction: Direction,
-    layout: KVLayout,
-    *,
-    keys: _Keys,
-    first: int,
-    last: int,
-    base: int,
-    tier_piece_bytes: int,
-) -> CopyList:
-    """Return the merged link copies of keys `[first, last)`, as (stage, tier) offsets."""
-    f = layout.blocks_per_chunk
-    sl = slice(first, last)
-    stage = (np.cumsum(keys.stage_bytes) - keys.stage_bytes)[sl] - base
-    tier = keys.row[sl] * layout.row_bytes
-    size = keys.stage_bytes[sl]
-    group = keys.group[sl]
-    if direction is Direction.STORE:
-        full = (keys.first_slot[sl] == 0) & (keys.end_slot[sl] == f)
-        dense = np.array(
-            [all(r.page_bytes == r.page_stride for r in g.refs) for g in layout.groups]
-        )
-        whole = full & dense[group]
-        parts = [(stage[whole], tier[whole], size[whole])]
-        for k in np.flatnonzero(~whole).tolist():
-            parts.append(
-                _exact_pieces(
-                    layout,
-                    int(group[k]),
-                    stage=int(stage[k]),
-                    tier=int(tier[k]),
-                    first_slot=int(keys.first_slot[first + k]),
-                    end_slot=int(keys.end_slot[first + k]),
-                )
-            )
-        stage_all, tier_all, size_all = (
-            np.concatenate(column) for column in zip(*parts, strict=True)
-        )
-        order = np.argsort(stage_all, kind="stable")
-        stage, tier, size = stage_all[order], tier_all[order], size_all[order]
-    breaks = tier % tier_piece_bytes == 0 if tier_piece_bytes else None
-    if direction is Direction.STORE:
-        return merge_copies(stage, tier, size, breaks=breaks)
-    return merge_copies(tier, stage, size, breaks=breaks)
-
-
-def _exact_pieces(
-    layout: KVLayout, g: int, *, stage: int, tier: int, first_slot: int, end_slot: int
-) -> tuple[IdArray, IdArray, IdArray]:
-    """Return (stage, tier, size) of each page the plan fills in one row of group `g`."""
-    group = layout.groups[g]
-    f = layout.blocks_per_chunk
-    slots = np.arange(first_slot, end_slot, dtype=np.int64)
-    offsets = np.array(group.row_offsets(f), np.int64)[:, None]
-    strides = np.array([r.page_stride for r in group.refs], np.int64)[:, None]
-    sizes = np.array([r.page_bytes for r in group.refs], np.int64)[:, None]
-    in_row = (offsets + slots[None, :] * strides).ravel()
-    size = np.broadcast_to(sizes, (len(group.refs), len(slots))).ravel()
-    return stage + in_row, tier + in_row, size
+    return planner.plan(bound).batches
 
 
 def segment_copies(segments: IdArray, ids: IdArray, *, direction: Direction) -> CopyList:
