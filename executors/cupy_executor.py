@@ -32,7 +32,6 @@ from kvferry.executors.staged import (
     GpuJob,
     StagedGpuExecutor,
 )
-from kvferry.executors.staging import StageBatch
 from kvferry.executors.tensors import KVTensor
 
 _HOST_REGISTER_FLAGS = 1 | 2
@@ -185,14 +184,17 @@ class CupyExecutor(StagedGpuExecutor):
         keep.extend((host, device))
         return device
 
+    def _address(self, buffer: Any) -> int:
+        return int(buffer.data.ptr)
+
     def _launch_stage_copy(
         self,
         stream: Any,
         *,
-        segments: Any,
+        segments: int,
         count: int,
-        ids: Any,
-        stage: Any,
+        ids: int,
+        stage: int,
         to_stage: bool,
         blocks: int,
     ) -> None:
@@ -200,19 +202,18 @@ class CupyExecutor(StagedGpuExecutor):
             self._stage_kernel(
                 (blocks,),
                 (THREADS,),
-                (segments, np.int32(count), ids, stage, np.int32(to_stage), np.int32(PIECE_BYTES)),
+                (
+                    np.uint64(segments),
+                    np.int32(count),
+                    np.uint64(ids),
+                    np.uint64(stage),
+                    np.int32(to_stage),
+                    np.int32(PIECE_BYTES),
+                ),
             )
 
-    def _dma(self, batch: StageBatch, stage: Any, stream: Any, *, to_host: bool) -> None:
-        memcpy = self._cupy.cuda.runtime.memcpyAsync
-        stage_address, host = int(stage.data.ptr), self.host_tier.address
-        dma = batch.dma
-        if to_host:
-            sources, targets = (dma.src + stage_address).tolist(), (dma.dst + host).tolist()
-        else:
-            sources, targets = (dma.src + host).tolist(), (dma.dst + stage_address).tolist()
-        for src, dst, size in zip(sources, targets, dma.nbytes.tolist(), strict=True):
-            memcpy(dst, src, size, _MEMCPY_DEFAULT, stream.ptr)
+    def _memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream.ptr)
 
     def _event_done(self, event: Any) -> bool:
         return bool(event.done)

@@ -111,22 +111,27 @@ class StagedGpuExecutor(Executor):
         (whatever must live until the copy ends goes in `keep`)."""
 
     @abc.abstractmethod
+    def _address(self, buffer: Any) -> int:
+        """Return the device address of a GPU buffer's first byte."""
+
+    @abc.abstractmethod
     def _launch_stage_copy(
         self,
         stream: Any,
         *,
-        segments: Any,
+        segments: int,
         count: int,
-        ids: Any,
-        stage: Any,
+        ids: int,
+        stage: int,
         to_stage: bool,
         blocks: int,
     ) -> None:
-        """Launch `kernels.STAGE_COPY_SOURCE` on `stream` over `count` segment lines."""
+        """Launch `kernels.STAGE_COPY_SOURCE` on `stream` over the `count` segment lines at
+        address `segments`, with the block ids at `ids` and the staging half at `stage`."""
 
     @abc.abstractmethod
-    def _dma(self, batch: StageBatch, stage: Any, stream: Any, *, to_host: bool) -> None:
-        """Queue the batch's link copies between `stage` and the host tier on `stream`."""
+    def _memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """Queue one copy between unified addresses (pinned host or device) on `stream`."""
 
     @abc.abstractmethod
     def _event_done(self, event: Any) -> bool:
@@ -139,10 +144,6 @@ class StagedGpuExecutor(Executor):
     @abc.abstractmethod
     def _synchronize(self, stream: Any) -> None:
         """Block until `stream` is idle."""
-
-    def _slice(self, buffer: Any, start: int, stop: int) -> Any:
-        """Return elements `[start, stop)` of a GPU buffer (a view, no copy)."""
-        return buffer[start:stop]
 
     # --- the shared path -------------------------------------------------------------------------
 
@@ -181,19 +182,17 @@ class StagedGpuExecutor(Executor):
         plan = self._planner.plan(bound)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
         device_table = self._upload(np.concatenate((ids, plan.table.ravel())), work, job.keep)
-        device_ids = self._slice(device_table, 0, len(ids))
-        width = plan.table.shape[1]
+        ids_address = self._address(device_table)
+        line_bytes = plan.table.shape[1] * 8
         stages = self._stages(direction)
         freed: list[Any] = [None, None]
         for k, batch in enumerate(plan.batches):
             stage = stages[k % 2]
-            offset = len(ids) + batch.first_line * width
-            segments = self._slice(device_table, offset, offset + batch.segments.size)
             launch = {
-                "segments": segments,
+                "segments": ids_address + 8 * len(ids) + line_bytes * batch.first_line,
                 "count": len(batch.segments),
-                "ids": device_ids,
-                "stage": stage,
+                "ids": ids_address,
+                "stage": self._address(stage),
                 "to_stage": direction is Direction.STORE,
                 "blocks": max(1, min(-(-batch.items // WARPS), self._copy_blocks)),
             }
@@ -216,6 +215,16 @@ class StagedGpuExecutor(Executor):
                 self._record(released, work)
             freed[k % 2] = released
         return self._end(direction, job, link if direction is Direction.STORE else work)
+
+    def _dma(self, batch: StageBatch, stage: Any, stream: Any, *, to_host: bool) -> None:
+        """Queue the batch's link copies between `stage` and the host tier on `stream`."""
+        dma, stage_address, host = batch.dma, self._address(stage), self.host_tier.address
+        if to_host:
+            sources, targets = (dma.src + stage_address).tolist(), (dma.dst + host).tolist()
+        else:
+            sources, targets = (dma.src + host).tolist(), (dma.dst + stage_address).tolist()
+        for src, dst, size in zip(sources, targets, dma.nbytes.tolist(), strict=True):
+            self._memcpy(dst, src, size, stream)
 
     def _on_stream(self, stream: Any, launch: dict[str, Any]) -> None:
         """Launch the staging kernel on `stream` when the batch has pages to copy."""

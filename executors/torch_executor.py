@@ -15,15 +15,15 @@ from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import ExecutorUnavailableError
 from kvferry.executors.base import CopyPath
+from kvferry.executors.driver import CudaDriver, StageCopyLauncher
 from kvferry.executors.host import HostRegistrar
-from kvferry.executors.kernels import PIECE_BYTES, STAGE_COPY_NAME, STAGE_COPY_SOURCE, THREADS
+from kvferry.executors.kernels import STAGE_COPY_NAME, STAGE_COPY_SOURCE
 from kvferry.executors.staged import (
     DEFAULT_COPY_BLOCKS,
     DEFAULT_STAGING_BYTES,
     GpuJob,
     StagedGpuExecutor,
 )
-from kvferry.executors.staging import StageBatch
 from kvferry.executors.tensors import KVTensor
 
 _HOST_REGISTER_FLAGS = 1 | 2
@@ -60,8 +60,9 @@ class TorchRegistrar:
 
 
 class TorchExecutor(StagedGpuExecutor):
-    """The staged path (`executors.staged`) on torch streams and events; the staging kernel is
-    compiled with NVRTC through `torch.cuda._compile_kernel` on first use."""
+    """The staged path (`executors.staged`) on torch streams, events and memory; the staging
+    kernel is compiled with NVRTC through `torch.cuda._compile_kernel` on first use, and it and
+    the link copies are queued through the CUDA driver (`executors.driver`, for speed)."""
 
     name = "torch"
 
@@ -90,8 +91,8 @@ class TorchExecutor(StagedGpuExecutor):
             copy_blocks=copy_blocks,
         )
         self._compute_stream = compute_stream
-        self._host_bytes = torch.from_numpy(self.host_tier.array)
-        self._kernel: Any = None
+        self._driver: CudaDriver | None = None
+        self._launcher: StageCopyLauncher | None = None
 
     def _registrar(self) -> HostRegistrar:
         return TorchRegistrar(self._torch)
@@ -134,36 +135,40 @@ class TorchExecutor(StagedGpuExecutor):
         keep.extend((host, device))
         return device
 
+    def _address(self, buffer: Any) -> int:
+        return int(buffer.data_ptr())
+
     def _launch_stage_copy(
         self,
         stream: Any,
         *,
-        segments: Any,
+        segments: int,
         count: int,
-        ids: Any,
-        stage: Any,
+        ids: int,
+        stage: int,
         to_stage: bool,
         blocks: int,
     ) -> None:
-        if self._kernel is None:
-            self._kernel = self._torch.cuda._compile_kernel(STAGE_COPY_SOURCE, STAGE_COPY_NAME)
-        self._kernel(
-            grid=(blocks, 1, 1),
-            block=(THREADS, 1, 1),
-            args=[segments, count, ids, stage, int(to_stage), PIECE_BYTES],
-            stream=stream,
+        if self._launcher is None:
+            kernel = self._torch.cuda._compile_kernel(STAGE_COPY_SOURCE, STAGE_COPY_NAME)
+            self._launcher = StageCopyLauncher(self._cuda_driver(), kernel.func)
+        self._launcher(
+            segments=segments,
+            count=count,
+            ids=ids,
+            stage=stage,
+            to_stage=to_stage,
+            blocks=blocks,
+            stream=stream.cuda_stream,
         )
 
-    def _dma(self, batch: StageBatch, stage: Any, stream: Any, *, to_host: bool) -> None:
-        host, dma = self._host_bytes, batch.dma
-        with self._torch.cuda.stream(stream):
-            for src, dst, size in zip(
-                dma.src.tolist(), dma.dst.tolist(), dma.nbytes.tolist(), strict=True
-            ):
-                if to_host:
-                    host[dst : dst + size].copy_(stage[src : src + size], non_blocking=True)
-                else:
-                    stage[dst : dst + size].copy_(host[src : src + size], non_blocking=True)
+    def _memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._cuda_driver().memcpy_async(dst, src, nbytes, stream.cuda_stream)
+
+    def _cuda_driver(self) -> CudaDriver:
+        if self._driver is None:
+            self._driver = CudaDriver()
+        return self._driver
 
     def _event_done(self, event: Any) -> bool:
         return bool(event.query())

@@ -12,6 +12,8 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from kvferry.core.plan import Direction
 from kvferry.executors.host import HostRegistrar
 from kvferry.executors.staging import SEGMENT_FIELDS, segment_copies
@@ -107,7 +109,6 @@ class TorchOnCpuExecutor(TorchExecutor):
             super().__init__(**options)
         finally:
             module.load_torch = original
-        self._host_bytes = self._host_bytes.tensor
 
     def _registrar(self) -> HostRegistrar | None:
         return None
@@ -119,20 +120,27 @@ class TorchOnCpuExecutor(TorchExecutor):
         self,
         stream: Any,
         *,
-        segments: Any,
+        segments: int,
         count: int,
-        ids: Any,
-        stage: Any,
+        ids: int,
+        stage: int,
         to_stage: bool,
         blocks: int,
     ) -> None:
         """Do the kernel's work with `segment_copies` and memmove (no CUDA here)."""
-        table = segments.numpy().reshape(count, len(SEGMENT_FIELDS))
+        width = len(SEGMENT_FIELDS)
+        table = np.ctypeslib.as_array((ctypes.c_int64 * (count * width)).from_address(segments))
+        table = table.reshape(count, width)
+        fields = dict(zip(SEGMENT_FIELDS, table.T, strict=True))
+        n_ids = int((fields["id_offset"] + fields["count"]).max())
+        block_ids = np.ctypeslib.as_array((ctypes.c_int64 * n_ids).from_address(ids))
         direction = Direction.STORE if to_stage else Direction.LOAD
-        copies = segment_copies(table, ids.numpy(), direction=direction)
-        base = stage.data_ptr()
-        src_base, dst_base = (0, base) if to_stage else (base, 0)
+        copies = segment_copies(table, block_ids, direction=direction)
+        src_base, dst_base = (0, stage) if to_stage else (stage, 0)
         for src, dst, size in zip(
             copies.src.tolist(), copies.dst.tolist(), copies.nbytes.tolist(), strict=True
         ):
             ctypes.memmove(dst + dst_base, src + src_base, size)
+
+    def _memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        ctypes.memmove(dst, src, nbytes)
