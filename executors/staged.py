@@ -25,8 +25,10 @@ from kvferry.executors.kernels import PIECE_BYTES, WARPS
 from kvferry.executors.staging import StageBatch, StagePlanner
 from kvferry.executors.tensors import KVTensor
 
-DEFAULT_STAGING_BYTES = 128 << 20
-"""GPU staging per direction (two halves) unless told otherwise."""
+DEFAULT_STAGING_BYTES = 256 << 20
+"""GPU staging per direction (two halves) unless told otherwise. Each batch costs a few host
+calls; on the device H200, 256 MiB gave 0.90-0.96 of the link where 128 MiB gave 0.90-0.95 and
+half the submit time went to per-batch calls (docs/benchmarks.md)."""
 
 DEFAULT_COPY_BLOCKS = 128
 """Thread blocks of a staging kernel launch: enough for HBM speed, far fewer than a full GPU."""
@@ -72,6 +74,11 @@ class StagedGpuExecutor(Executor):
         with self._on_device():
             self._link = {d: self._new_stream() for d in Direction}
             self._work = {d: self._new_stream() for d in Direction}
+            # events re-recorded by every batch: a wait sees the record before it, so one
+            # `done` per direction and one `released` per staging half are enough
+            self._done_event = {d: self._new_event() for d in Direction}
+            self._released = {d: (self._new_event(), self._new_event()) for d in Direction}
+            self._ready = {d: self._new_event() for d in Direction}
         self._last_end: dict[Direction, Any] = {}
         self._staging: dict[Direction, list[Any]] = {}
 
@@ -156,7 +163,7 @@ class StagedGpuExecutor(Executor):
     def _begin(self, direction: Direction, path: CopyPath) -> GpuJob:
         """Return a new job of `direction` whose streams wait on compute and the previous job."""
         link, work = self._link[direction], self._work[direction]
-        ready = self._new_event()
+        ready = self._ready[direction]
         self._record(ready, self._compute_stream_now())
         previous = self._last_end.get(direction)
         for stream in (link, work):
@@ -178,14 +185,14 @@ class StagedGpuExecutor(Executor):
         """Queue a staged transfer, double-buffered; return its job."""
         direction = bound.plan.direction
         link, work = self._link[direction], self._work[direction]
-        job = self._begin(direction, CopyPath.STAGED)
         plan = self._planner.plan(bound)
+        job = self._begin(direction, CopyPath.STAGED)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
         device_table = self._upload(np.concatenate((ids, plan.table.ravel())), work, job.keep)
         ids_address = self._address(device_table)
         line_bytes = plan.table.shape[1] * 8
         stages = self._stages(direction)
-        freed: list[Any] = [None, None]
+        done, released = self._done_event[direction], self._released[direction]
         for k, batch in enumerate(plan.batches):
             stage = stages[k % 2]
             launch = {
@@ -196,24 +203,22 @@ class StagedGpuExecutor(Executor):
                 "to_stage": direction is Direction.STORE,
                 "blocks": max(1, min(-(-batch.items // WARPS), self._copy_blocks)),
             }
-            done, released = self._new_event(), self._new_event()
             if direction is Direction.STORE:
-                if freed[k % 2] is not None:
-                    self._wait(work, freed[k % 2])
+                if k >= 2:
+                    self._wait(work, released[k % 2])
                 self._on_stream(work, launch)
                 self._record(done, work)
                 self._wait(link, done)
                 self._dma(batch, stage, link, to_host=True)
-                self._record(released, link)
+                self._record(released[k % 2], link)
             else:
-                if freed[k % 2] is not None:
-                    self._wait(link, freed[k % 2])
+                if k >= 2:
+                    self._wait(link, released[k % 2])
                 self._dma(batch, stage, link, to_host=False)
                 self._record(done, link)
                 self._wait(work, done)
                 self._on_stream(work, launch)
-                self._record(released, work)
-            freed[k % 2] = released
+                self._record(released[k % 2], work)
         return self._end(direction, job, link if direction is Direction.STORE else work)
 
     def _dma(self, batch: StageBatch, stage: Any, stream: Any, *, to_host: bool) -> None:

@@ -77,7 +77,13 @@ class StagePlanner:
     once here, so planning a job costs a few numpy passes over its keys and batches."""
 
     def __init__(
-        self, layout: KVLayout, *, capacity: int, piece_bytes: int, tier_piece_bytes: int = 0
+        self,
+        layout: KVLayout,
+        *,
+        capacity: int,
+        piece_bytes: int,
+        tier_piece_bytes: int = 0,
+        ramp_bytes: int = 8 << 20,
     ) -> None:
         if capacity < layout.row_bytes:
             raise InvalidInputError(
@@ -92,6 +98,7 @@ class StagePlanner:
         f = layout.blocks_per_chunk
         self._layout = layout
         self._capacity = capacity
+        self._ramp_bytes = min(ramp_bytes, capacity)
         self._piece_bytes = piece_bytes
         self._tier_piece_bytes = tier_piece_bytes
         self._row_bytes = layout.row_bytes
@@ -164,10 +171,7 @@ class StagePlanner:
         size = self._group_bytes[group]
         ends = np.cumsum(size)
         starts = ends - size
-        bounds = [0]
-        while bounds[-1] < len(ends):
-            first = bounds[-1]
-            bounds.append(int(np.searchsorted(ends, starts[first] + self._capacity, "right")))
+        bounds = self._batch_bounds(starts, ends)
         batch = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
         return _Keys(
             group=group,
@@ -179,6 +183,25 @@ class StagePlanner:
             batch=batch,
             bounds=tuple(bounds),
         )
+
+    def _batch_bounds(self, starts: IdArray, ends: IdArray) -> tuple[int, ...]:
+        """Return the first key of each batch and the key count: greedy batches of at most
+        `capacity` bytes, except that the first and the last hold at most `ramp_bytes`.
+
+        The first batch's kernel (a store) or DMA (a load) runs before the other direction of
+        the pipeline has anything to do, and the last one's after; small ends keep those short.
+        """
+        bounds = [0]
+        total = int(ends[-1]) if len(ends) else 0
+        while bounds[-1] < len(ends):
+            first = bounds[-1]
+            left = total - int(starts[first])
+            limit = self._ramp_bytes if first == 0 else self._capacity
+            if self._ramp_bytes < left <= self._capacity + self._ramp_bytes:
+                limit = min(limit, left - self._ramp_bytes)  # leave a small last batch
+            cut = int(np.searchsorted(ends, starts[first] + max(limit, 1), "right"))
+            bounds.append(max(cut, first + 1))
+        return tuple(bounds)
 
     def _segment_table(self, bound: BoundPlan, keys: _Keys) -> tuple[IdArray, IdArray]:
         """Return the job's segment table, batch after batch (column `first_item` holding each

@@ -14,7 +14,7 @@ from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList, check_bound, expand_pages
 from kvferry.core.plan import Direction
 from kvferry.executors.kernels import PIECE_BYTES
-from kvferry.executors.staging import StageBatch, plan_stages, segment_copies
+from kvferry.executors.staging import StageBatch, StagePlanner, plan_stages, segment_copies
 
 
 def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
@@ -152,3 +152,18 @@ def test_each_batch_counts_its_kernel_pieces() -> None:
     (batch,) = _batches(model, bound, capacity=3 * model.executor.layout.row_bytes)
     pages = len(segment_copies(batch.segments, bound.plan.gpu_block_ids, direction=Direction.STORE))
     assert batch.items == pages  # pages smaller than PIECE_BYTES are one piece each
+
+
+def test_the_first_and_last_batches_stay_small_so_the_pipeline_fills_and_drains_fast() -> None:
+    model = Model(backend_for("cpu"), LAYOUT_CASES["blocks_first"], 1)
+    layout = model.executor.layout
+    bound = bound_plan(
+        1, Direction.LOAD, 1, [GroupMove(ids=tuple(range(16)), first=0, rows=tuple(range(16)))]
+    )
+    planner = StagePlanner(
+        layout, capacity=6 * layout.row_bytes, piece_bytes=PIECE_BYTES, ramp_bytes=layout.row_bytes
+    )
+    sizes = [b.stage_bytes // layout.row_bytes for b in planner.plan(bound).batches]
+    assert sizes[0] == sizes[-1] == 1
+    assert sum(sizes) == 16
+    assert max(sizes) == 6
