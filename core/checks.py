@@ -1,4 +1,5 @@
-"""Input checks shared by the planner's entry points: counts that must be whole numbers.
+"""Input checks shared by the planner's entry points, and the one way to skip them (for values
+the planner has just built from checked ones).
 
 Pure: a check raises InvalidInputError naming where, or returns; it never rounds or converts.
 """
@@ -7,11 +8,13 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
 from kvferry.core.errors import InvalidInputError
+
+T = TypeVar("T")
 
 
 def check_count(
@@ -23,6 +26,8 @@ def check_count(
     low: int = 0,
 ) -> None:
     """Raise InvalidInputError unless `value` is an integer (not a bool) of at least `low`."""
+    if type(value) is int and value >= low:  # the common case, without the ABC check
+        return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise InvalidInputError(
             request=request,
@@ -46,3 +51,30 @@ def at_least(low: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
         )
 
     return validate
+
+
+def unchecked(cls: type[T], **fields: Any) -> T:
+    """Return an instance of the frozen attrs class `cls` with `fields` set as given, running
+    no converter, validator or `__attrs_post_init__`.
+
+    Only for values the planner has just built from values already checked, where every
+    invariant holds by construction (hot paths: a store plan per step); `fields` must name
+    every field, in its final type. Everything built from outside input goes through `cls(...)`.
+    """
+    instance = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(instance, name, value)
+    return instance
+
+
+def unchecked_evolve(instance: T, **changes: Any) -> T:
+    """Return a copy of the frozen attrs value `instance` with `changes`, as `unchecked` builds
+    one: for a next state whose invariants the caller has just established."""
+    cls = type(instance)
+    copy = object.__new__(cls)
+    for field in cls.__attrs_attrs__:  # type: ignore[attr-defined]
+        name = field.name
+        object.__setattr__(
+            copy, name, changes[name] if name in changes else getattr(instance, name)
+        )
+    return copy

@@ -5,18 +5,17 @@ Pure: returns the plan and the next request state; the caller pins keys and runs
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
 from kvferry.core.blocks import GroupBlocks
-from kvferry.core.checks import check_count
+from kvferry.core.checks import check_count, unchecked
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import OffloadKey
-from kvferry.core.plan import Direction, TransferPlan
+from kvferry.core.plan import Direction, TransferPlan, check_distinct_destinations
 from kvferry.core.state import RequestState
 
 
@@ -90,15 +89,14 @@ def _plan_group(
         _first_needed_block(config.groups[group], block_size, cached_tokens, n_gpu),
     )
     taken = blocks.is_null[lo:n_gpu] | blocks.is_cached[lo:n_gpu]
-    fillable = np.flatnonzero(~taken)
     moved_to = 0 if state.store_loaded or cached_tokens == num_computed_tokens else end_chunk
     cursor = max(state.store_cursor[group], min(moved_to, len(state.keys[group])))
-    if not len(fillable):
+    if taken.all():  # nothing to fill (also when the range is empty)
         return _GroupLoad(first=0, end=0, keys=(), next_cursor=cursor)
-    first = lo + int(fillable[0])
-    later_taken = np.flatnonzero(taken[first - lo :])
-    if len(later_taken):
-        index = first + int(later_taken[0])
+    first = lo + int(np.argmin(taken))  # the first block not taken
+    later_taken = taken[first - lo :]
+    if later_taken.any():
+        index = first + int(np.argmax(later_taken))
         what = "null" if blocks.is_null[index] else "GPU-cached"
         raise fail(
             f"blocks[{index}]",
@@ -150,14 +148,19 @@ def plan_load(
         )
         for g in range(config.num_groups)
     ]
-    plan = TransferPlan(
+    destinations = [blocks[g].ids[load.first : load.end] for g, load in enumerate(loads)]
+    for g, ids in enumerate(destinations):  # the one plan invariant the block lists can break
+        check_distinct_destinations(state.request_id, g, ids)
+    gpu_block_ids = np.concatenate(destinations)
+    gpu_block_ids.setflags(write=False)
+    # Every other invariant of a plan holds by construction: skip TransferPlan's checks.
+    plan = unchecked(
+        TransferPlan,
         request_id=state.request_id,
         direction=Direction.LOAD,
         blocks_per_chunk=config.blocks_per_chunk,
-        keys=tuple(itertools.chain.from_iterable(load.keys for load in loads)),
-        gpu_block_ids=np.concatenate(
-            [blocks[g].ids[load.first : load.end] for g, load in enumerate(loads)]
-        ),
+        keys=sum((load.keys for load in loads), ()),  # few groups: faster than a chain
+        gpu_block_ids=gpu_block_ids,
         group_sizes=tuple(load.end - load.first for load in loads),
         block_indices=tuple(load.first for load in loads),
     )

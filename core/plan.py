@@ -40,6 +40,22 @@ def chunks_spanned(size: int, skip: int, blocks_per_chunk: int) -> int:
     return -(-(size + skip) // blocks_per_chunk) if size else 0
 
 
+def check_distinct_destinations(request_id: str, group: int, ids: IdArray) -> None:
+    """Raise PlanInvariantError when `ids`, a load's destination blocks in `group`, repeat one."""
+    if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):  # increasing: distinct, no sort
+        return
+    ordered = np.sort(ids)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(repeated):
+        raise PlanInvariantError(
+            request=request_id,
+            group=group,
+            field="gpu_block_ids",
+            expected="distinct destination blocks",
+            got=int(repeated[0]),
+        )
+
+
 @attrs.frozen(kw_only=True)
 class TransferPlan:
     """One transfer between the GPU blocks of one request and the CPU tier.
@@ -48,6 +64,10 @@ class TransferPlan:
     group `g`. `block_indices[g]` is the position, in the request's block list of group `g`, of
     the first block moved; `block_indices[g] % blocks_per_chunk` is the *skip*: the slots at the
     start of the group's first chunk that are not part of the transfer.
+
+    Constructing one checks every invariant. `plan_load` and `plan_store` build theirs with
+    `checks.unchecked` instead (hot paths), checking only what their inputs can break (a load's
+    distinct destinations); tests/test_planner_built_values.py holds them to these checks.
     """
 
     request_id: str
@@ -120,11 +140,8 @@ class TransferPlan:
             offset += size
             if size and int(ids.min()) < 0:
                 fail("gpu_block_ids", "block ids >= 0", int(ids.min()), g)
-            if self.direction is Direction.LOAD and size > 1:
-                ordered = np.sort(ids)
-                repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-                if len(repeated):
-                    fail("gpu_block_ids", "distinct destination blocks", int(repeated[0]), g)
+            if self.direction is Direction.LOAD:
+                check_distinct_destinations(self.request_id, g, ids)
 
     @property
     def num_groups(self) -> int:

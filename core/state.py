@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvferry.core.checks import check_count
+from kvferry.core.checks import check_count, unchecked_evolve
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.keys import OffloadKey, chunk_keys
@@ -89,20 +89,24 @@ def extend_keys(
     costs time in proportion to what is new.
     """
     state.check_matches(config)
-    if not isinstance(block_hashes, Sequence) or isinstance(block_hashes, (str, bytes)):
+    if type(block_hashes) not in (list, tuple) and (
+        not isinstance(block_hashes, Sequence) or isinstance(block_hashes, (str, bytes))
+    ):
         raise InvalidInputError(
             request=state.request_id,
             field="block_hashes",
             expected="a sequence of bytes (one hash per full hash block)",
             got=block_hashes,
         )
-    new_keys = []
+    num_hashes = len(block_hashes)
+    new_keys = list(state.keys)
+    grown = False
     for group, known in enumerate(state.keys):
         step = config.hashes_per_chunk(group)
         if known:
             last_hash_index = len(known) * step - 1
             if (
-                last_hash_index >= len(block_hashes)
+                last_hash_index >= num_hashes
                 or block_hashes[last_hash_index] != known[-1].block_hash
             ):
                 raise InvalidInputError(
@@ -113,8 +117,10 @@ def extend_keys(
                         f"a list that extends the earlier one (hash {last_hash_index} "
                         f"= {known[-1].block_hash.hex()})"
                     ),
-                    got=f"{len(block_hashes)} hashes",
+                    got=f"{num_hashes} hashes",
                 )
+        if (len(known) + 1) * step > num_hashes:
+            continue  # the next chunk is not complete yet (most decode steps)
         added = chunk_keys(config, group, block_hashes, len(known))
         for key in added:
             if not isinstance(key.block_hash, bytes):
@@ -125,5 +131,9 @@ def extend_keys(
                     expected="bytes for every hash",
                     got=key.block_hash,
                 )
-        new_keys.append(known + added if added else known)
-    return attrs.evolve(state, keys=tuple(new_keys))
+        new_keys[group] = known + added
+        grown = True
+    if not grown:
+        return state
+    # Key lists only grew, so every store cursor still lies within its list.
+    return unchecked_evolve(state, keys=tuple(new_keys))

@@ -1,0 +1,96 @@
+"""Values the planner builds without re-running their checks (plans, next states, decisions)
+are exactly what the public, checking constructors make of the same fields.
+
+`plan_load` and `plan_store` skip `TransferPlan`'s validation because every invariant holds by
+construction; these properties are what makes that safe to keep.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given
+from planner_strategies import LoadCase, StoreCase, load_cases, store_cases
+
+from kvferry.core import (
+    GroupBlocks,
+    GroupKind,
+    GroupSpec,
+    OffloadConfig,
+    PlanInvariantError,
+    RequestState,
+    StoreDecision,
+    TransferPlan,
+    extend_keys,
+    new_request_state,
+    plan_load,
+    plan_store,
+)
+
+
+def _checked(value: object) -> object:
+    """Return `value` rebuilt through its class's public constructor (every check runs)."""
+    cls = type(value)
+    return cls(**{a.name: getattr(value, a.name) for a in attrs.fields(cls)})
+
+
+def _assert_checked_alike(plan: TransferPlan) -> None:
+    rebuilt = _checked(plan)
+    assert rebuilt == plan
+    assert plan.gpu_block_ids.dtype == np.int64
+    assert not plan.gpu_block_ids.flags.writeable
+
+
+@given(load_cases())
+def test_a_load_plan_and_its_next_state_pass_the_public_checks(case: LoadCase) -> None:
+    plan, state = plan_load(
+        case.lookup.config,
+        case.lookup.state,
+        case.blocks,
+        num_computed_tokens=case.lookup.num_computed_tokens,
+        hit_tokens=case.hit_tokens,
+    )
+    _assert_checked_alike(plan)
+    assert _checked(state) == state
+
+
+@given(store_cases())
+def test_a_store_decision_its_plan_and_its_next_state_pass_the_public_checks(
+    case: StoreCase,
+) -> None:
+    decision = plan_store(
+        case.config,
+        case.state,
+        case.blocks,
+        num_computed_tokens=case.num_computed_tokens,
+        num_scheduled_tokens=case.num_scheduled_tokens,
+        num_tokens=case.num_tokens,
+        tier=case.tier,
+    )
+    assert isinstance(decision, StoreDecision)
+    assert _checked(decision) == decision
+    assert _checked(decision.state) == decision.state
+    if decision.plan is not None:
+        _assert_checked_alike(decision.plan)
+
+
+@given(store_cases())
+def test_extended_keys_make_a_state_that_passes_the_public_checks(case: StoreCase) -> None:
+    hashes = [(i + 1).to_bytes(4, "big") for i in range(case.num_tokens + 8)]
+    state = extend_keys(case.config, case.state, hashes)
+    assert isinstance(state, RequestState)
+    assert _checked(state) == state
+
+
+def test_a_load_into_a_repeated_block_is_still_refused() -> None:
+    config = OffloadConfig(
+        hash_block_size=4,
+        blocks_per_chunk=1,
+        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=4),),
+    )
+    state = new_request_state(config, "r1", num_prompt_tokens=12, block_hashes=[b"a", b"b", b"c"])
+    with pytest.raises(PlanInvariantError, match="distinct destination") as info:
+        plan_load(config, state, [GroupBlocks.of([7, 9, 7])], num_computed_tokens=0, hit_tokens=12)
+    error = info.value
+    assert (error.request, error.group, error.field, error.got) == ("r1", 0, "gpu_block_ids", 7)
