@@ -7,14 +7,18 @@ reserves the rows afterwards, with the decision's `reserve_keys` (the plan's key
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Protocol
+import itertools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
+from kvferry.core.arrays import FlagArray, IdArray, is_integral
 from kvferry.core.blocks import GroupBlocks
-from kvferry.core.checks import check_count
+from kvferry.core.checks import check_count, unchecked, unchecked_evolve
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
@@ -68,25 +72,26 @@ class StoreDecision:
             )
 
 
-def _candidate_chunks(
-    config: OffloadConfig, state: RequestState, group: int, blocks: GroupBlocks, done: int
-) -> tuple[np.ndarray, int]:
-    """Return (complete chunks from the cursor whose blocks are all real, the new cursor)."""
-    f = config.blocks_per_chunk
-    cursor = state.store_cursor[group]
-    end = min(done // config.chunk_tokens(group), len(state.keys[group]))
-    if end <= cursor:  # e.g. a load moved the cursor past the chunk this step is still filling
-        return np.empty(0, dtype=np.int64), cursor
-    if len(blocks) < end * f:
-        raise InvalidInputError(
-            request=state.request_id,
-            group=group,
-            field="blocks",
-            expected=f"at least {end * f} blocks for {end} complete chunks",
-            got=len(blocks),
-        )
-    has_null = blocks.is_null[cursor * f : end * f].reshape(-1, f).any(axis=1)
-    return cursor + np.flatnonzero(~has_null), end
+def _stored_tokens(
+    minimum: Callable[[Any, Any], Any],
+    config: OffloadConfig,
+    *,
+    prompt: Any,
+    computed: Any,
+    scheduled: Any,
+    num_tokens: Any,
+) -> Any:
+    """Return `done` (DESIGN §4.3): the one definition, for one request (integers, `min`) or
+    for many (arrays with one entry per request, `np.minimum`)."""
+    limit = num_tokens if config.store_decoded_tokens else minimum(num_tokens, prompt)
+    return minimum(computed + scheduled, limit)
+
+
+def _completes_chunk(config: OffloadConfig, cursors: IdArray, done: IdArray) -> FlagArray:
+    """Return, per request (a row of `cursors`, an entry of `done`), whether some group
+    completes a chunk past its store cursor by `done` tokens: the one definition of *due*."""
+    chunk_tokens = np.array(config.all_chunk_tokens, dtype=np.int64)
+    return np.asarray((done[:, None] // chunk_tokens > cursors).any(axis=1), dtype=np.bool_)
 
 
 def stored_tokens_after_step(
@@ -99,20 +104,140 @@ def stored_tokens_after_step(
 ) -> int:
     """Return `done`: the tokens whose KV exists once this step's forward pass ends and that
     may be stored (capped at the prompt when decoded tokens are not stored)."""
-    limit = num_tokens if config.store_decoded_tokens else min(num_tokens, state.num_prompt_tokens)
-    return min(num_computed_tokens + num_scheduled_tokens, limit)
+    done: int = _stored_tokens(
+        min,
+        config,
+        prompt=state.num_prompt_tokens,
+        computed=num_computed_tokens,
+        scheduled=num_scheduled_tokens,
+        num_tokens=num_tokens,
+    )
+    return done
 
 
 def store_due(config: OffloadConfig, state: RequestState, done: int) -> bool:
     """Return True when some group may complete a chunk past its store cursor by `done` tokens.
 
-    A cheap test (no block table, no tier) for the many decode steps that complete nothing:
-    `plan_store` answers NOTHING, with the state unchanged, whenever this is False, so a caller
-    planning many requests per step may skip those.
+    The rule of `due_for_store` for one request; a caller planning many requests per step
+    calls that instead, once, for all of them. `plan_store` answers NOTHING, with the state
+    unchanged, whenever this is False.
     """
-    return any(
-        done // chunk > cursor
-        for chunk, cursor in zip(config.all_chunk_tokens, state.store_cursor, strict=True)
+    state.check_matches(config)
+    cursors = np.array([state.store_cursor], dtype=np.int64)
+    return bool(_completes_chunk(config, cursors, np.array([done], dtype=np.int64))[0])
+
+
+_MISS = KeyStatus.MISS
+_CURSORS = operator.attrgetter("store_cursor")
+_PROMPTS = operator.attrgetter("num_prompt_tokens")
+
+
+def _token_column(values: npt.ArrayLike, states: Sequence[RequestState], field: str) -> IdArray:
+    """Return `values` as int64, one entry per state; raise InvalidInputError naming the field
+    (and the request, for a negative entry) unless they are that many integers >= 0."""
+    column = np.asarray(values)
+    if column.shape != (len(states),) or not is_integral(column):
+        raise InvalidInputError(
+            field=field,
+            expected=f"{len(states)} integers, one per request",
+            got=f"shape {column.shape}, dtype {column.dtype}",
+        )
+    if len(column) and column.min() < 0:
+        index = int(np.argmin(column))
+        raise InvalidInputError(
+            request=states[index].request_id,
+            field=field,
+            expected="an integer >= 0",
+            got=int(column[index]),
+        )
+    as_ids: IdArray = column.astype(np.int64, copy=False)
+    return as_ids
+
+
+def due_for_store(
+    config: OffloadConfig,
+    states: Sequence[RequestState],
+    *,
+    num_computed_tokens: npt.ArrayLike,
+    num_scheduled_tokens: npt.ArrayLike,
+    num_tokens: npt.ArrayLike,
+) -> IdArray:
+    """Return the indices, ascending, of the `states` that are due for `plan_store` this step.
+
+    The per-step form of `store_due` for every running request at once (columnar: one
+    numpy pass, no Python loop per request beyond reading the cursors): entry `i` of each
+    token count belongs to `states[i]`. A request is due when some group completes a chunk
+    past its store cursor by `done` tokens; `plan_store` answers NOTHING, with the state
+    unchanged, for every request not returned, so the caller plans only these.
+    """
+    computed = _token_column(num_computed_tokens, states, "num_computed_tokens")
+    scheduled = _token_column(num_scheduled_tokens, states, "num_scheduled_tokens")
+    tokens = _token_column(num_tokens, states, "num_tokens")
+    cursors = list(map(_CURSORS, states))
+    if set(map(len, cursors)) - {config.num_groups}:
+        for state in states:
+            state.check_matches(config)
+    n_groups = config.num_groups
+    cursor_table = np.fromiter(
+        itertools.chain.from_iterable(cursors), dtype=np.int64, count=len(states) * n_groups
+    ).reshape(len(states), n_groups)
+    prompts = (
+        None
+        if config.store_decoded_tokens
+        else np.fromiter(map(_PROMPTS, states), dtype=np.int64, count=len(states))
+    )
+    done = _stored_tokens(
+        np.minimum,
+        config,
+        prompt=prompts,
+        computed=computed,
+        scheduled=scheduled,
+        num_tokens=tokens,
+    )
+    due: IdArray = np.flatnonzero(_completes_chunk(config, cursor_table, done))
+    return due
+
+
+def _candidate_chunks(
+    state: RequestState, group: int, blocks: GroupBlocks, end: int, f: int
+) -> Sequence[int]:
+    """Return the complete chunks from the group's store cursor up to `end` (past the cursor)
+    whose blocks are all real; raise InvalidInputError when the blocks do not reach `end`."""
+    cursor = state.store_cursor[group]
+    if len(blocks) < end * f:
+        raise InvalidInputError(
+            request=state.request_id,
+            group=group,
+            field="blocks",
+            expected=f"at least {end * f} blocks for {end} complete chunks",
+            got=len(blocks),
+        )
+    nulls = blocks.is_null[cursor * f : end * f]
+    if 1 not in nulls.tobytes():  # no null block (a C scan; cheaper than numpy's any())
+        return range(cursor, end)
+    has_null = nulls.reshape(-1, f).any(axis=1)
+    chunks: list[int] = (cursor + np.flatnonzero(~has_null)).tolist()
+    return chunks
+
+
+def _source_ids(blocks: GroupBlocks, chunks: Sequence[int], f: int) -> IdArray:
+    """Return the GPU block ids of `chunks` (ascending) of one group, chunk by chunk."""
+    if chunks[-1] - chunks[0] + 1 == len(chunks):  # consecutive: one slice
+        return blocks.ids[chunks[0] * f : (chunks[-1] + 1) * f]
+    slots = (np.asarray(chunks, dtype=np.int64)[:, None] * f + np.arange(f)).ravel()
+    picked: IdArray = blocks.ids[slots]
+    return picked
+
+
+def _decision(
+    outcome: StoreOutcome,
+    plan: TransferPlan | None,
+    state: RequestState,
+    reserve_keys: tuple[OffloadKey, ...] = (),
+) -> StoreDecision:
+    """Return a StoreDecision that `plan_store` made (a plan exactly when storing), unchecked."""
+    return unchecked(
+        StoreDecision, outcome=outcome, plan=plan, state=state, reserve_keys=reserve_keys
     )
 
 
@@ -136,12 +261,10 @@ def plan_store(
     """
     state.check_matches(config)
     check_block_lists(config, state, blocks)
-    for field, value in (
-        ("num_computed_tokens", num_computed_tokens),
-        ("num_scheduled_tokens", num_scheduled_tokens),
-        ("num_tokens", num_tokens),
-    ):
-        check_count(value, request=state.request_id, field=field)
+    request = state.request_id
+    check_count(num_computed_tokens, request=request, field="num_computed_tokens")
+    check_count(num_scheduled_tokens, request=request, field="num_scheduled_tokens")
+    check_count(num_tokens, request=request, field="num_tokens")
     done = stored_tokens_after_step(
         config,
         state,
@@ -149,44 +272,55 @@ def plan_store(
         num_scheduled_tokens=num_scheduled_tokens,
         num_tokens=num_tokens,
     )
-    if not store_due(config, state, done):
-        return StoreDecision(outcome=StoreOutcome.NOTHING, plan=None, state=state)
-    per_group = [
-        _candidate_chunks(config, state, g, blocks[g], done) for g in range(config.num_groups)
-    ]
-    candidates = [state.keys[g][int(j)] for g, (chunks, _) in enumerate(per_group) for j in chunks]
-    missing = {
-        key
-        for key, status in zip(candidates, tier.statuses(candidates), strict=True)
-        if status is KeyStatus.MISS
-    }
-    moved = attrs.evolve(state, store_cursor=tuple(end for _, end in per_group))
-    if not missing:
-        return StoreDecision(outcome=StoreOutcome.NOTHING, plan=None, state=moved)
-    if not tier.can_reserve(candidates):
-        return StoreDecision(outcome=StoreOutcome.NO_ROOM, plan=None, state=state)
-
     f = config.blocks_per_chunk
-    keys: list[OffloadKey] = []
-    ids: list[np.ndarray] = []
+    cursors = state.store_cursor
+    ends = list(cursors)
+    per_group: list[Sequence[int]] = []
+    for g, chunk in enumerate(config.all_chunk_tokens):
+        end = min(done // chunk, len(state.keys[g]))
+        if end > cursors[g]:
+            per_group.append(_candidate_chunks(state, g, blocks[g], end, f))
+            ends[g] = end
+        else:  # none completed, or a load moved the cursor past this step's chunk
+            per_group.append(())
+    next_cursor = tuple(ends)
+    if next_cursor == cursors:  # not due (`store_due` is False)
+        return _decision(StoreOutcome.NOTHING, None, state)
+    candidates = [state.keys[g][j] for g, chunks in enumerate(per_group) for j in chunks]
+    statuses = tier.statuses(candidates)
+    missing = {key for key, status in zip(candidates, statuses, strict=True) if status is _MISS}
+    # The cursors stay within the key lists (`end` is capped by them): no check needed.
+    moved = unchecked_evolve(state, store_cursor=next_cursor)
+    if not missing:
+        return _decision(StoreOutcome.NOTHING, None, moved)
+    if not tier.can_reserve(candidates):
+        return _decision(StoreOutcome.NO_ROOM, None, state)
+
+    all_missing = len(missing) == len(candidates)  # the common case: no key to skip
+    keys = candidates if all_missing else [key for key in candidates if key in missing]
+    ids: list[IdArray] = []
     sizes: list[int] = []
     firsts: list[int] = []
-    for g, (chunks, _) in enumerate(per_group):
-        new = [int(j) for j in chunks if state.keys[g][int(j)] in missing]
-        keys.extend(state.keys[g][j] for j in new)
-        slots = (np.asarray(new, dtype=np.int64)[:, None] * f + np.arange(f)).ravel()
-        ids.append(blocks[g].ids[slots])
-        sizes.append(len(slots))
-        firsts.append(new[0] * f if new else 0)
-    plan = TransferPlan(
-        request_id=state.request_id,
+    for g, chunks in enumerate(per_group):
+        group_keys = state.keys[g]
+        new = chunks if all_missing else [j for j in chunks if group_keys[j] in missing]
+        if new:
+            ids.append(_source_ids(blocks[g], new, f))
+            firsts.append(new[0] * f)
+        else:
+            firsts.append(0)
+        sizes.append(len(new) * f)
+    gpu_block_ids = np.concatenate(ids)
+    gpu_block_ids.setflags(write=False)
+    # Built from checked block lists and keys, chunk by chunk: every plan invariant holds.
+    plan = unchecked(
+        TransferPlan,
+        request_id=request,
         direction=Direction.STORE,
         blocks_per_chunk=f,
         keys=tuple(keys),
-        gpu_block_ids=np.concatenate(ids),
+        gpu_block_ids=gpu_block_ids,
         group_sizes=tuple(sizes),
         block_indices=tuple(firsts),
     )
-    return StoreDecision(
-        outcome=StoreOutcome.STORE, plan=plan, state=moved, reserve_keys=tuple(candidates)
-    )
+    return _decision(StoreOutcome.STORE, plan, moved, tuple(candidates))
