@@ -21,7 +21,7 @@ from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
 from kvferry.core.state import RequestState, extend_keys, new_request_state
-from kvferry.core.store import StoreOutcome, plan_store, store_due, stored_tokens_after_step
+from kvferry.core.store import StoreOutcome, due_for_store, plan_store
 
 
 def _blocks_tuple(value: Iterable[GroupBlocks]) -> tuple[GroupBlocks, ...]:
@@ -297,13 +297,24 @@ class OffloadSession:
         undo: list[tuple[_Request, RequestState, int]] = []
         created: list[str] = []
         try:
-            for running in requests:
+            running_list = list(requests)
+            known: list[_Request] = []
+            for running in running_list:
                 request = self._requests.get(running.request_id)
                 if request is None:
                     created.append(running.request_id)
                 else:
                     undo.append((request, request.state, request.num_hashes))
-                self._store_one(running, jobs, no_room)
+                known.append(self._known_running(running))
+            due = due_for_store(  # one pass for all: most decode steps complete no chunk
+                self._config,
+                [request.state for request in known],
+                num_computed_tokens=[r.num_computed_tokens for r in running_list],
+                num_scheduled_tokens=[r.num_scheduled_tokens for r in running_list],
+                num_tokens=[r.num_tokens for r in running_list],
+            )
+            for index in due.tolist():
+                self._store_one(running_list[index], known[index], jobs, no_room)
         except BaseException:
             for job in jobs:
                 self._catalog.complete_store(self._jobs[job.job_id].keys, success=False)
@@ -315,13 +326,11 @@ class OffloadSession:
             raise
         return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room))
 
-    def _store_one(
-        self, running: RunningRequest, jobs: list[BoundPlan], no_room: list[str]
-    ) -> None:
-        """Plan and bind the store of one running request (appending to `jobs`/`no_room`)."""
-        rid = running.request_id
-        request = self._known(
-            rid,
+    def _known_running(self, running: RunningRequest) -> _Request:
+        """Return the session's record of a running request, created or with its keys
+        extended to the request's hashes."""
+        return self._known(
+            running.request_id,
             running.block_hashes,
             num_prompt_tokens=(
                 running.num_tokens
@@ -331,15 +340,17 @@ class OffloadSession:
             store_loaded=False,
             call="start_stores",
         )
-        done = stored_tokens_after_step(
-            self._config,
-            request.state,
-            num_computed_tokens=running.num_computed_tokens,
-            num_scheduled_tokens=running.num_scheduled_tokens,
-            num_tokens=running.num_tokens,
-        )
-        if not store_due(self._config, request.state, done):
-            return  # no chunk completes this step: the planner would answer NOTHING
+
+    def _store_one(
+        self,
+        running: RunningRequest,
+        request: _Request,
+        jobs: list[BoundPlan],
+        no_room: list[str],
+    ) -> None:
+        """Plan and bind the store of one running request that is due (appending to
+        `jobs`/`no_room`)."""
+        rid = running.request_id
         decision = plan_store(
             self._config,
             request.state,
