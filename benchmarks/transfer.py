@@ -50,6 +50,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "torch-256MiB": ("torch", {"staging_bytes": 256 << 20}),
     "cupy-256MiB": ("cupy", {"staging_bytes": 256 << 20}),
     "cupy-512blocks": ("cupy", {"copy_blocks": 512}),
+    "torch-16blocks": ("torch", {"copy_blocks": 16}),
+    "cupy-16blocks": ("cupy", {"copy_blocks": 16}),
     "cpu": ("cpu", {}),
 }
 """Variant name -> (executor name, executor options). `cpu` is for `--gpus` dry runs only."""
