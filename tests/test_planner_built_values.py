@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from planner_strategies import LoadCase, StoreCase, load_cases, store_cases
+from test_planner_properties import run_load, run_store
 
 from kvferry.core import (
     GroupBlocks,
@@ -25,7 +26,6 @@ from kvferry.core import (
     extend_keys,
     new_request_state,
     plan_load,
-    plan_store,
 )
 
 
@@ -44,13 +44,7 @@ def _assert_checked_alike(plan: TransferPlan) -> None:
 
 @given(load_cases())
 def test_a_load_plan_and_its_next_state_pass_the_public_checks(case: LoadCase) -> None:
-    plan, state = plan_load(
-        case.lookup.config,
-        case.lookup.state,
-        case.blocks,
-        num_computed_tokens=case.lookup.num_computed_tokens,
-        hit_tokens=case.hit_tokens,
-    )
+    plan, state = run_load(case)
     _assert_checked_alike(plan)
     assert _checked(state) == state
 
@@ -59,15 +53,7 @@ def test_a_load_plan_and_its_next_state_pass_the_public_checks(case: LoadCase) -
 def test_a_store_decision_its_plan_and_its_next_state_pass_the_public_checks(
     case: StoreCase,
 ) -> None:
-    decision = plan_store(
-        case.config,
-        case.state,
-        case.blocks,
-        num_computed_tokens=case.num_computed_tokens,
-        num_scheduled_tokens=case.num_scheduled_tokens,
-        num_tokens=case.num_tokens,
-        tier=case.tier,
-    )
+    decision = run_store(case)
     assert isinstance(decision, StoreDecision)
     assert _checked(decision) == decision
     assert _checked(decision.state) == decision.state

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from planner_strategies import StoreCase, configs, hashes_for, store_cases
+from test_planner_properties import run_store
 
 from kvferry.core import (
     GroupKind,
@@ -22,7 +23,6 @@ from kvferry.core import (
     StoreOutcome,
     due_for_store,
     new_request_state,
-    plan_store,
     store_due,
     stored_tokens_after_step,
 )
@@ -208,8 +208,8 @@ def test_the_batched_answer_is_the_per_request_answer(
     assert due.tolist() == per_request
 
 
-@given(store_cases())
-def test_plan_store_finds_nothing_for_a_request_left_out(case: StoreCase) -> None:
+def _due_alone(case: StoreCase) -> bool:
+    """Return whether `due_for_store` names the case's request, asked for it alone."""
     due = due_for_store(
         case.config,
         [case.state],
@@ -217,30 +217,20 @@ def test_plan_store_finds_nothing_for_a_request_left_out(case: StoreCase) -> Non
         num_scheduled_tokens=[case.num_scheduled_tokens],
         num_tokens=[case.num_tokens],
     )
-    decision = plan_store(
-        case.config,
-        case.state,
-        case.blocks,
-        num_computed_tokens=case.num_computed_tokens,
-        num_scheduled_tokens=case.num_scheduled_tokens,
-        num_tokens=case.num_tokens,
-        tier=case.tier,
-    )
-    if not len(due):
+    return due.tolist() == [0]
+
+
+@given(store_cases())
+def test_plan_store_finds_nothing_for_a_request_left_out(case: StoreCase) -> None:
+    decision = run_store(case)
+    if not _due_alone(case):
         assert (decision.outcome, decision.state) == (StoreOutcome.NOTHING, case.state)
 
 
 @given(store_cases())
 def test_a_due_request_has_a_chunk_end_within_done(case: StoreCase) -> None:
-    due = due_for_store(
-        case.config,
-        [case.state],
-        num_computed_tokens=[case.num_computed_tokens],
-        num_scheduled_tokens=[case.num_scheduled_tokens],
-        num_tokens=[case.num_tokens],
-    )
     chunk_ends = [
         (cursor + 1) * case.config.chunk_tokens(g)
         for g, cursor in enumerate(case.state.store_cursor)
     ]
-    assert bool(len(due)) == (min(chunk_ends) <= case.done)
+    assert _due_alone(case) == (min(chunk_ends) <= case.done)
