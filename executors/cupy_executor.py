@@ -158,17 +158,11 @@ class CupyExecutor(StagedGpuExecutor):
     def _new_stream(self) -> Any:
         return self._cupy.cuda.Stream(non_blocking=True)
 
-    def _new_event(self, *, timing: bool = False) -> Any:
-        return self._cupy.cuda.Event(disable_timing=not timing)
+    def _stream_handle(self, stream: Any) -> int:
+        return int(stream.ptr)
 
-    def _record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
-
-    def _wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def _compute_stream_now(self) -> Any:
-        return self._compute_stream or self._cupy.cuda.get_current_stream()
+    def _compute_stream_now(self) -> int:
+        return int((self._compute_stream or self._cupy.cuda.get_current_stream()).ptr)
 
     def _allocate(self, nbytes: int) -> Any:
         return self._cupy.empty(nbytes, dtype=np.uint8)
@@ -187,40 +181,8 @@ class CupyExecutor(StagedGpuExecutor):
     def _address(self, buffer: Any) -> int:
         return int(buffer.data.ptr)
 
-    def _launch_stage_copy(
-        self,
-        stream: Any,
-        *,
-        segments: int,
-        count: int,
-        ids: int,
-        stage: int,
-        to_stage: bool,
-        blocks: int,
-    ) -> None:
-        with stream:
-            self._stage_kernel(
-                (blocks,),
-                (THREADS,),
-                (
-                    np.uint64(segments),
-                    np.int32(count),
-                    np.uint64(ids),
-                    np.uint64(stage),
-                    np.int32(to_stage),
-                    np.int32(PIECE_BYTES),
-                ),
-            )
-
-    def _memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        self._cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream.ptr)
-
-    def _event_done(self, event: Any) -> bool:
-        return bool(event.done)
-
-    def _elapsed(self, start: Any, end: Any) -> float:
-        end.synchronize()
-        return float(self._cupy.cuda.get_elapsed_time(start, end)) / 1000.0
+    def _stage_function(self) -> Any:
+        return self._stage_kernel.kernel.ptr
 
     def _synchronize(self, stream: Any) -> None:
         stream.synchronize()
@@ -252,4 +214,4 @@ class CupyExecutor(StagedGpuExecutor):
                     (THREADS,),
                     (device, np.int64(n)),
                 )
-        return self._end(direction, job, link)
+        return self._end(direction, job, int(link.ptr))

@@ -1,9 +1,11 @@
-"""The few CUDA driver calls the torch executor makes itself, through ctypes.
+"""The CUDA driver calls of the staged path's per-batch work, through ctypes.
 
-torch has no public call for an asynchronous copy between two raw addresses, and its NVRTC
-kernel launcher (`torch.cuda._compile_kernel`) builds its ctypes argument array on every call
-(about 90 µs a launch, measured on the device H200's host). Copies and staging-kernel launches
-are per batch on the submit path, so they go straight to `libcuda` here: a few µs each.
+A staged job makes a handful of calls per batch (record and wait on events, one kernel launch,
+the DMAs). Through torch they cost 5-90 µs each on the device H200's host (torch's NVRTC
+launcher builds its ctypes arguments on every call, ~90 µs; torch has no call at all for an
+asynchronous copy between raw addresses); straight to `libcuda` they cost a few µs, which is
+what keeps `submit()` at a few percent of the transfer. Both GPU executors use these; the
+libraries still own the streams, the memory and the compiled kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from kvferry.executors.kernels import PIECE_BYTES, THREADS
 
 
 class CudaDriver:
-    """`cuMemcpyAsync` and `cuLaunchKernel` from `libcuda.so.1` (loaded once per process)."""
+    """Copies, launches and events from `libcuda.so.1` (loaded once per process); handles are
+    plain integers, and calls act on the current context."""
 
     _library: ctypes.CDLL | None = None
 
@@ -44,12 +47,66 @@ class CudaDriver:
                 ctypes.c_void_p,
             ]
             library.cuLaunchKernel.restype = ctypes.c_int
+            signatures: dict[str, list[Any]] = {
+                "cuEventCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
+                "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
+                "cuStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+                "cuEventQuery": [ctypes.c_void_p],
+                "cuEventSynchronize": [ctypes.c_void_p],
+                "cuEventElapsedTime": [
+                    ctypes.POINTER(ctypes.c_float),
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                ],
+                "cuEventDestroy_v2": [ctypes.c_void_p],
+            }
+            for name, argtypes in signatures.items():
+                function = getattr(library, name)
+                function.argtypes = argtypes
+                function.restype = ctypes.c_int
             CudaDriver._library = library
         self._lib = CudaDriver._library
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Queue a copy of `nbytes` from `src` to `dst` (unified addresses) on `stream`."""
         _check(self._lib.cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+    def event(self, *, timing: bool) -> int:
+        """Return a new event on the current context (timing, or the cheaper kind without)."""
+        handle = ctypes.c_void_p()
+        flags = 0 if timing else _EVENT_DISABLE_TIMING
+        _check(self._lib.cuEventCreate(ctypes.byref(handle), flags), "cuEventCreate")
+        return int(handle.value or 0)
+
+    def record(self, event: int, stream: int) -> None:
+        """Record `event` on `stream`."""
+        _check(self._lib.cuEventRecord(event, stream), "cuEventRecord")
+
+    def wait(self, stream: int, event: int) -> None:
+        """Make `stream` wait for the work `event` last captured."""
+        _check(self._lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+
+    def done(self, event: int) -> bool:
+        """Return True once `event`'s work has completed."""
+        status = self._lib.cuEventQuery(event)
+        if status == _NOT_READY:
+            return False
+        _check(status, "cuEventQuery")
+        return True
+
+    def elapsed(self, start: int, end: int) -> float:
+        """Block until `end`; return the seconds from `start` to `end` (timing events)."""
+        _check(self._lib.cuEventSynchronize(end), "cuEventSynchronize")
+        milliseconds = ctypes.c_float()
+        _check(
+            self._lib.cuEventElapsedTime(ctypes.byref(milliseconds), start, end),
+            "cuEventElapsedTime",
+        )
+        return milliseconds.value / 1000.0
+
+    def destroy(self, event: int) -> None:
+        """Release `event` (work already queued on it still completes)."""
+        _check(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
 
     def launch(self, function: Any, blocks: int, params: Any, stream: int) -> None:
         """Launch `function` on `blocks` x `THREADS` threads with the kernel `params` array."""
@@ -106,6 +163,13 @@ class StageCopyLauncher:
         self._stage.value = stage
         self._to_stage.value = int(to_stage)
         self._driver.launch(self._function, blocks, self._params, stream)
+
+
+_EVENT_DISABLE_TIMING = 2
+"""CU_EVENT_DISABLE_TIMING."""
+
+_NOT_READY = 600
+"""CUDA_ERROR_NOT_READY: what cuEventQuery answers for work still running."""
 
 
 def _check(status: int, call: str) -> None:

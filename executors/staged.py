@@ -4,7 +4,8 @@ A store gathers a batch's pages into staging with one kernel launch (the page ad
 computed on the GPU from a small segment table), then copies the staging to the tier in one DMA
 per contiguous range of rows; a load does the reverse. Each direction has a link stream (DMAs), a
 work stream (kernels) and two staging halves, so the kernel of one batch overlaps the DMA of the
-next. A backend supplies only its library's streams, events, uploads, DMAs and kernel launch.
+next. A backend supplies its library's streams, memory and compiled kernel; the per-batch calls
+go through the CUDA driver.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.plan import Direction
 from kvferry.executors.base import CopyPath, Executor
+from kvferry.executors.driver import CudaDriver, StageCopyLauncher
 from kvferry.executors.kernels import PIECE_BYTES, WARPS
 from kvferry.executors.staging import StageBatch, StagePlanner
 from kvferry.executors.tensors import KVTensor
@@ -51,6 +53,8 @@ class StagedGpuExecutor(Executor):
     else the current stream at submit time), so it sees the bytes queued compute writes, and on
     the previous job of its direction, so one direction runs in submission order. Staging is two
     halves of `staging_bytes // 2` per direction (at least one row each), allocated on first use.
+    The library owns streams, memory and the compiled kernel; the per-batch calls (events, DMAs,
+    launches) go to the CUDA driver (`executors.driver`), on integer handles.
     """
 
     def __init__(
@@ -71,42 +75,37 @@ class StagedGpuExecutor(Executor):
             piece_bytes=PIECE_BYTES,
             tier_piece_bytes=self.host_tier.piece_bytes,
         )
+        self._driver: CudaDriver | None = None
+        self._launcher: StageCopyLauncher | None = None
         with self._on_device():
             self._link = {d: self._new_stream() for d in Direction}
             self._work = {d: self._new_stream() for d in Direction}
-            # events re-recorded by every batch: a wait sees the record before it, so one
-            # `done` per direction and one `released` per staging half are enough
+            # events re-recorded by every batch or job: a wait sees the record made before it,
+            # so one `done` and `tail` per direction and one `released` per half are enough
             self._done_event = {d: self._new_event() for d in Direction}
             self._released = {d: (self._new_event(), self._new_event()) for d in Direction}
             self._ready = {d: self._new_event() for d in Direction}
-        self._last_end: dict[Direction, Any] = {}
+            self._tail = {d: self._new_event() for d in Direction}
+        self._started: set[Direction] = set()
         self._staging: dict[Direction, list[Any]] = {}
 
     # --- what a CUDA library provides ----------------------------------------------------------
 
     @abc.abstractmethod
     def _on_device(self) -> AbstractContextManager[Any]:
-        """Return a context that makes the KV tensors' device current."""
+        """Return a context that makes the KV tensors' device (and its context) current."""
 
     @abc.abstractmethod
     def _new_stream(self) -> Any:
-        """Return a new non-blocking stream on the executor's device."""
+        """Return a new non-blocking stream on the executor's device (the library's object)."""
 
     @abc.abstractmethod
-    def _new_event(self, *, timing: bool = False) -> Any:
-        """Return a new event (with timing when asked)."""
+    def _stream_handle(self, stream: Any) -> int:
+        """Return the raw `CUstream` of a library stream."""
 
     @abc.abstractmethod
-    def _record(self, event: Any, stream: Any) -> None:
-        """Record `event` on `stream`."""
-
-    @abc.abstractmethod
-    def _wait(self, stream: Any, event: Any) -> None:
-        """Make `stream` wait for `event`."""
-
-    @abc.abstractmethod
-    def _compute_stream_now(self) -> Any:
-        """Return the stream a job must wait on: the configured compute stream or the current."""
+    def _compute_stream_now(self) -> int:
+        """Return the raw stream a job must wait on: the configured compute one or the current."""
 
     @abc.abstractmethod
     def _allocate(self, nbytes: int) -> Any:
@@ -122,9 +121,51 @@ class StagedGpuExecutor(Executor):
         """Return the device address of a GPU buffer's first byte."""
 
     @abc.abstractmethod
+    def _stage_function(self) -> Any:
+        """Return the `CUfunction` of `kernels.STAGE_COPY_SOURCE`, compiled on first use."""
+
+    @abc.abstractmethod
+    def _synchronize(self, stream: Any) -> None:
+        """Block until a library stream is idle."""
+
+    # --- per-batch calls, through the CUDA driver ----------------------------------------------
+
+    def _cuda(self) -> CudaDriver:
+        if self._driver is None:
+            self._driver = CudaDriver()
+        return self._driver
+
+    def _new_event(self, *, timing: bool = False) -> Any:
+        """Return a new event (with timing when asked)."""
+        return self._cuda().event(timing=timing)
+
+    def _record(self, event: Any, stream: int) -> None:
+        """Record `event` on raw stream `stream`."""
+        self._cuda().record(event, stream)
+
+    def _wait(self, stream: int, event: Any) -> None:
+        """Make raw stream `stream` wait for `event`."""
+        self._cuda().wait(stream, event)
+
+    def _event_done(self, event: Any) -> bool:
+        """Return True once `event` has completed."""
+        return self._cuda().done(event)
+
+    def _elapsed(self, start: Any, end: Any) -> float:
+        """Block until `end`; return the seconds from `start` to `end`."""
+        return self._cuda().elapsed(start, end)
+
+    def _destroy_event(self, event: Any) -> None:
+        """Release an event made by `_new_event`."""
+        self._cuda().destroy(event)
+
+    def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue one copy between unified addresses (pinned host or device) on `stream`."""
+        self._cuda().memcpy_async(dst, src, nbytes, stream)
+
     def _launch_stage_copy(
         self,
-        stream: Any,
+        stream: int,
         *,
         segments: int,
         count: int,
@@ -133,24 +174,20 @@ class StagedGpuExecutor(Executor):
         to_stage: bool,
         blocks: int,
     ) -> None:
-        """Launch `kernels.STAGE_COPY_SOURCE` on `stream` over the `count` segment lines at
-        address `segments`, with the block ids at `ids` and the staging half at `stage`."""
-
-    @abc.abstractmethod
-    def _memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        """Queue one copy between unified addresses (pinned host or device) on `stream`."""
-
-    @abc.abstractmethod
-    def _event_done(self, event: Any) -> bool:
-        """Return True once `event` has completed."""
-
-    @abc.abstractmethod
-    def _elapsed(self, start: Any, end: Any) -> float:
-        """Block until `end`; return the seconds from `start` to `end`."""
-
-    @abc.abstractmethod
-    def _synchronize(self, stream: Any) -> None:
-        """Block until `stream` is idle."""
+        """Launch `kernels.STAGE_COPY_SOURCE` on raw stream `stream` over the `count` segment
+        lines at address `segments`, with the block ids at `ids` and the staging half at
+        `stage`."""
+        if self._launcher is None:
+            self._launcher = StageCopyLauncher(self._cuda(), self._stage_function())
+        self._launcher(
+            segments=segments,
+            count=count,
+            ids=ids,
+            stage=stage,
+            to_stage=to_stage,
+            blocks=blocks,
+            stream=stream,
+        )
 
     # --- the shared path -------------------------------------------------------------------------
 
@@ -162,76 +199,79 @@ class StagedGpuExecutor(Executor):
 
     def _begin(self, direction: Direction, path: CopyPath) -> GpuJob:
         """Return a new job of `direction` whose streams wait on compute and the previous job."""
-        link, work = self._link[direction], self._work[direction]
         ready = self._ready[direction]
         self._record(ready, self._compute_stream_now())
-        previous = self._last_end.get(direction)
-        for stream in (link, work):
+        link = self._stream_handle(self._link[direction])
+        for stream in (link, self._stream_handle(self._work[direction])):
             self._wait(stream, ready)
-            if previous is not None:
-                self._wait(stream, previous)
+            if direction in self._started:
+                self._wait(stream, self._tail[direction])
+        self._started.add(direction)
         job = GpuJob(
             start=self._new_event(timing=True), end=self._new_event(timing=True), keep=[], path=path
         )
         self._record(job.start, link)
         return job
 
-    def _end(self, direction: Direction, job: GpuJob, stream: Any) -> GpuJob:
+    def _end(self, direction: Direction, job: GpuJob, stream: int) -> GpuJob:
         self._record(job.end, stream)
-        self._last_end[direction] = job.end
+        self._record(self._tail[direction], stream)
         return job
 
     def _enqueue_staged(self, bound: BoundPlan) -> GpuJob:
         """Queue a staged transfer, double-buffered; return its job."""
         direction = bound.plan.direction
-        link, work = self._link[direction], self._work[direction]
+        link, work = (
+            self._stream_handle(self._link[direction]),
+            self._stream_handle(self._work[direction]),
+        )
         plan = self._planner.plan(bound)
         job = self._begin(direction, CopyPath.STAGED)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
-        device_table = self._upload(np.concatenate((ids, plan.table.ravel())), work, job.keep)
-        ids_address = self._address(device_table)
+        table = np.concatenate((ids, plan.table.ravel()))
+        ids_address = self._address(self._upload(table, self._work[direction], job.keep))
         line_bytes = plan.table.shape[1] * 8
-        stages = self._stages(direction)
+        stages = [self._address(stage) for stage in self._stages(direction)]
         done, released = self._done_event[direction], self._released[direction]
+        store = direction is Direction.STORE
+        host = self.host_tier.address
         for k, batch in enumerate(plan.batches):
             stage = stages[k % 2]
             launch = {
                 "segments": ids_address + 8 * len(ids) + line_bytes * batch.first_line,
                 "count": len(batch.segments),
                 "ids": ids_address,
-                "stage": self._address(stage),
-                "to_stage": direction is Direction.STORE,
+                "stage": stage,
+                "to_stage": store,
                 "blocks": max(1, min(-(-batch.items // WARPS), self._copy_blocks)),
             }
-            if direction is Direction.STORE:
+            if store:
                 if k >= 2:
                     self._wait(work, released[k % 2])
                 self._on_stream(work, launch)
                 self._record(done, work)
                 self._wait(link, done)
-                self._dma(batch, stage, link, to_host=True)
+                self._dma(batch, link, src_base=stage, dst_base=host)
                 self._record(released[k % 2], link)
             else:
                 if k >= 2:
                     self._wait(link, released[k % 2])
-                self._dma(batch, stage, link, to_host=False)
+                self._dma(batch, link, src_base=host, dst_base=stage)
                 self._record(done, link)
                 self._wait(work, done)
                 self._on_stream(work, launch)
                 self._record(released[k % 2], work)
-        return self._end(direction, job, link if direction is Direction.STORE else work)
+        return self._end(direction, job, link if store else work)
 
-    def _dma(self, batch: StageBatch, stage: Any, stream: Any, *, to_host: bool) -> None:
-        """Queue the batch's link copies between `stage` and the host tier on `stream`."""
-        dma, stage_address, host = batch.dma, self._address(stage), self.host_tier.address
-        if to_host:
-            sources, targets = (dma.src + stage_address).tolist(), (dma.dst + host).tolist()
-        else:
-            sources, targets = (dma.src + host).tolist(), (dma.dst + stage_address).tolist()
-        for src, dst, size in zip(sources, targets, dma.nbytes.tolist(), strict=True):
-            self._memcpy(dst, src, size, stream)
+    def _dma(self, batch: StageBatch, stream: int, *, src_base: int, dst_base: int) -> None:
+        """Queue the batch's link copies on `stream` (offsets plus the two base addresses)."""
+        dma = batch.dma
+        for src, dst, size in zip(
+            dma.src.tolist(), dma.dst.tolist(), dma.nbytes.tolist(), strict=True
+        ):
+            self._memcpy(dst_base + dst, src_base + src, size, stream)
 
-    def _on_stream(self, stream: Any, launch: dict[str, Any]) -> None:
+    def _on_stream(self, stream: int, launch: dict[str, Any]) -> None:
         """Launch the staging kernel on `stream` when the batch has pages to copy."""
         if launch["count"]:
             self._launch_stage_copy(stream, **launch)
@@ -240,9 +280,20 @@ class StagedGpuExecutor(Executor):
         return self._event_done(handle.end)
 
     def _finish(self, handle: GpuJob) -> float:
-        return self._elapsed(handle.start, handle.end)
+        try:
+            return self._elapsed(handle.start, handle.end)
+        finally:
+            self._destroy_event(handle.start)
+            self._destroy_event(handle.end)
 
     def _release(self) -> None:
         for stream in (*self._link.values(), *self._work.values()):
             self._synchronize(stream)
+        for event in (
+            *self._done_event.values(),
+            *(e for pair in self._released.values() for e in pair),
+            *self._ready.values(),
+            *self._tail.values(),
+        ):
+            self._destroy_event(event)
         self._staging.clear()

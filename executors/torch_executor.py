@@ -15,7 +15,6 @@ from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import ExecutorUnavailableError
 from kvferry.executors.base import CopyPath
-from kvferry.executors.driver import CudaDriver, StageCopyLauncher
 from kvferry.executors.host import HostRegistrar
 from kvferry.executors.kernels import STAGE_COPY_NAME, STAGE_COPY_SOURCE
 from kvferry.executors.staged import (
@@ -60,9 +59,8 @@ class TorchRegistrar:
 
 
 class TorchExecutor(StagedGpuExecutor):
-    """The staged path (`executors.staged`) on torch streams, events and memory; the staging
-    kernel is compiled with NVRTC through `torch.cuda._compile_kernel` on first use, and it and
-    the link copies are queued through the CUDA driver (`executors.driver`, for speed)."""
+    """The staged path (`executors.staged`) on torch streams and memory; the staging kernel is
+    compiled with NVRTC through `torch.cuda._compile_kernel` on first use."""
 
     name = "torch"
 
@@ -91,8 +89,6 @@ class TorchExecutor(StagedGpuExecutor):
             copy_blocks=copy_blocks,
         )
         self._compute_stream = compute_stream
-        self._driver: CudaDriver | None = None
-        self._launcher: StageCopyLauncher | None = None
 
     def _registrar(self) -> HostRegistrar:
         return TorchRegistrar(self._torch)
@@ -113,17 +109,12 @@ class TorchExecutor(StagedGpuExecutor):
     def _new_stream(self) -> Any:
         return self._torch.cuda.Stream(device=self._device)
 
-    def _new_event(self, *, timing: bool = False) -> Any:
-        return self._torch.cuda.Event(enable_timing=timing)
+    def _stream_handle(self, stream: Any) -> int:
+        return int(stream.cuda_stream)
 
-    def _record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
-
-    def _wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def _compute_stream_now(self) -> Any:
-        return self._compute_stream or self._torch.cuda.current_stream(self._device)
+    def _compute_stream_now(self) -> int:
+        stream = self._compute_stream or self._torch.cuda.current_stream(self._device)
+        return int(stream.cuda_stream)
 
     def _allocate(self, nbytes: int) -> Any:
         return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._device)
@@ -138,44 +129,8 @@ class TorchExecutor(StagedGpuExecutor):
     def _address(self, buffer: Any) -> int:
         return int(buffer.data_ptr())
 
-    def _launch_stage_copy(
-        self,
-        stream: Any,
-        *,
-        segments: int,
-        count: int,
-        ids: int,
-        stage: int,
-        to_stage: bool,
-        blocks: int,
-    ) -> None:
-        if self._launcher is None:
-            kernel = self._torch.cuda._compile_kernel(STAGE_COPY_SOURCE, STAGE_COPY_NAME)
-            self._launcher = StageCopyLauncher(self._cuda_driver(), kernel.func)
-        self._launcher(
-            segments=segments,
-            count=count,
-            ids=ids,
-            stage=stage,
-            to_stage=to_stage,
-            blocks=blocks,
-            stream=stream.cuda_stream,
-        )
-
-    def _memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        self._cuda_driver().memcpy_async(dst, src, nbytes, stream.cuda_stream)
-
-    def _cuda_driver(self) -> CudaDriver:
-        if self._driver is None:
-            self._driver = CudaDriver()
-        return self._driver
-
-    def _event_done(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def _elapsed(self, start: Any, end: Any) -> float:
-        end.synchronize()
-        return float(start.elapsed_time(end)) / 1000.0
+    def _stage_function(self) -> Any:
+        return self._torch.cuda._compile_kernel(STAGE_COPY_SOURCE, STAGE_COPY_NAME).func
 
     def _synchronize(self, stream: Any) -> None:
         stream.synchronize()

@@ -61,8 +61,8 @@ class SlowCpuExecutor(CpuExecutor):
     name = "slow-cpu"
     delay = 0.3
 
-    def _enqueue(self, bound: BoundPlan, pages: Any) -> float:
-        super()._enqueue(bound, pages)
+    def _enqueue(self, bound: BoundPlan) -> float:
+        super()._enqueue(bound)
         return time.monotonic() + self.delay
 
     def _done(self, handle: float) -> bool:

@@ -116,9 +116,35 @@ class TorchOnCpuExecutor(TorchExecutor):
     def _on_device(self) -> Any:
         return contextlib.nullcontext()
 
+    # no CUDA driver here: events are placeholders and every copy happens at once, in order
+
+    def _stream_handle(self, stream: Any) -> int:
+        return 0
+
+    def _compute_stream_now(self) -> int:
+        return 0
+
+    def _new_event(self, *, timing: bool = False) -> Any:
+        return object()
+
+    def _record(self, event: Any, stream: int) -> None:
+        return None
+
+    def _wait(self, stream: int, event: Any) -> None:
+        return None
+
+    def _event_done(self, event: Any) -> bool:
+        return True
+
+    def _elapsed(self, start: Any, end: Any) -> float:
+        return 0.0
+
+    def _destroy_event(self, event: Any) -> None:
+        return None
+
     def _launch_stage_copy(
         self,
-        stream: Any,
+        stream: int,
         *,
         segments: int,
         count: int,
@@ -142,5 +168,5 @@ class TorchOnCpuExecutor(TorchExecutor):
         ):
             ctypes.memmove(dst + dst_base, src + src_base, size)
 
-    def _memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+    def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         ctypes.memmove(dst, src, nbytes)
