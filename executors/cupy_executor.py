@@ -167,16 +167,9 @@ class CupyExecutor(StagedGpuExecutor):
     def _allocate(self, nbytes: int) -> Any:
         return self._cupy.empty(nbytes, dtype=np.uint8)
 
-    def _upload(self, values: IdArray, stream: Any, keep: list[Any]) -> Any:
-        host = self._cupyx.empty_pinned(len(values), dtype=np.int64)
-        host[:] = values
-        with stream:
-            device = self._cupy.empty(len(values), dtype=np.int64)
-        self._cupy.cuda.runtime.memcpyAsync(
-            device.data.ptr, host.ctypes.data, host.nbytes, 1, stream.ptr
-        )
-        keep.extend((host, device))
-        return device
+    def _allocate_pinned(self, count: int) -> tuple[Any, IdArray]:
+        host = self._cupyx.empty_pinned(count, dtype=np.int64)
+        return host, host
 
     def _address(self, buffer: Any) -> int:
         return int(buffer.data.ptr)
@@ -207,7 +200,14 @@ class CupyExecutor(StagedGpuExecutor):
         n = len(copies)
         if n:
             table = np.concatenate((copies.src, copies.dst, copies.nbytes))
-            device = self._upload(table, link, job.keep)
+            host = self._cupyx.empty_pinned(len(table), dtype=np.int64)
+            host[:] = table
+            with link:
+                device = self._cupy.empty(len(table), dtype=np.int64)
+            self._cupy.cuda.runtime.memcpyAsync(
+                device.data.ptr, host.ctypes.data, host.nbytes, 1, link.ptr
+            )
+            job.keep.extend((host, device))
             with link:
                 self._zero_copy_kernel(
                     (max(1, min(n, self._zero_copy_blocks, _MAX_BLOCKS)),),

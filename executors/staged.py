@@ -88,6 +88,7 @@ class StagedGpuExecutor(Executor):
             self._tail = {d: self._new_event() for d in Direction}
         self._started: set[Direction] = set()
         self._staging: dict[Direction, list[Any]] = {}
+        self._tables: dict[Direction, _TableBuffers] = {}
 
     # --- what a CUDA library provides ----------------------------------------------------------
 
@@ -112,9 +113,8 @@ class StagedGpuExecutor(Executor):
         """Return a new GPU byte buffer of `nbytes`."""
 
     @abc.abstractmethod
-    def _upload(self, values: IdArray, stream: Any, keep: list[Any]) -> Any:
-        """Return a GPU int64 buffer holding `values`, copied asynchronously on `stream`
-        (whatever must live until the copy ends goes in `keep`)."""
+    def _allocate_pinned(self, count: int) -> tuple[Any, IdArray]:
+        """Return a pinned host buffer of `count` int64 (the owner) and a numpy view of it."""
 
     @abc.abstractmethod
     def _address(self, buffer: Any) -> int:
@@ -154,6 +154,10 @@ class StagedGpuExecutor(Executor):
     def _elapsed(self, start: Any, end: Any) -> float:
         """Block until `end`; return the seconds from `start` to `end`."""
         return self._cuda().elapsed(start, end)
+
+    def _synchronize_event(self, event: Any) -> None:
+        """Block until `event` has completed."""
+        self._cuda().elapsed(event, event)
 
     def _destroy_event(self, event: Any) -> None:
         """Release an event made by `_new_event`."""
@@ -229,7 +233,7 @@ class StagedGpuExecutor(Executor):
         job = self._begin(direction, CopyPath.STAGED)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
         table = np.concatenate((ids, plan.table.ravel()))
-        ids_address = self._address(self._upload(table, self._work[direction], job.keep))
+        ids_address = self._upload(table, direction)
         line_bytes = plan.table.shape[1] * 8
         stages = [self._address(stage) for stage in self._stages(direction)]
         done, released = self._done_event[direction], self._released[direction]
@@ -263,6 +267,40 @@ class StagedGpuExecutor(Executor):
                 self._record(released[k % 2], work)
         return self._end(direction, job, link if store else work)
 
+    def _upload(self, values: IdArray, direction: Direction) -> int:
+        """Copy `values` (int64) to the GPU on the direction's work stream; return their address.
+
+        Each direction keeps one pinned and one device buffer, grown when a job needs more: the
+        device copy is free again because the job's streams wait for the previous job, and the
+        pinned one once its last upload has run (an event; in practice long done).
+        """
+        work = self._work[direction]
+        buffers = self._tables.get(direction)
+        if buffers is None or buffers.capacity < len(values):
+            if buffers is not None:
+                self._synchronize(work)
+                self._synchronize(self._link[direction])
+            capacity = max(len(values), 1 << 16)
+            host, view = self._allocate_pinned(capacity)
+            device = self._allocate(capacity * 8)
+            buffers = _TableBuffers(
+                host=host,
+                view=view,
+                device=device,
+                address=self._address(device),
+                capacity=capacity,
+                uploaded=self._new_event(),
+            )
+            self._tables[direction] = buffers
+        elif buffers.pending:
+            self._synchronize_event(buffers.uploaded)
+        buffers.view[: len(values)] = values
+        stream = self._stream_handle(work)
+        self._memcpy(buffers.address, int(buffers.view.ctypes.data), len(values) * 8, stream)
+        self._record(buffers.uploaded, stream)
+        buffers.pending = True
+        return buffers.address
+
     def _dma(self, batch: StageBatch, stream: int, *, src_base: int, dst_base: int) -> None:
         """Queue the batch's link copies on `stream` (offsets plus the two base addresses)."""
         dma = batch.dma
@@ -294,6 +332,26 @@ class StagedGpuExecutor(Executor):
             *(e for pair in self._released.values() for e in pair),
             *self._ready.values(),
             *self._tail.values(),
+            *(buffers.uploaded for buffers in self._tables.values()),
         ):
             self._destroy_event(event)
         self._staging.clear()
+        self._tables.clear()
+
+
+@attrs.define(kw_only=True)
+class _TableBuffers:
+    """One direction's upload buffers for block ids and segment tables."""
+
+    host: Any
+    """Owner of the pinned host buffer."""
+    view: IdArray
+    """The pinned buffer as numpy."""
+    device: Any
+    """Owner of the GPU buffer."""
+    address: int
+    capacity: int
+    """int64 values each buffer holds."""
+    uploaded: Any
+    """Event recorded after the last upload from `view`."""
+    pending: bool = False

@@ -10,13 +10,16 @@ specification and its stand-in on machines without a GPU.
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import numpy as np
 
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
+from kvferry.core.checks import unchecked
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.expand import CopyList, merge_starts
+from kvferry.core.expand import CopyList
 from kvferry.core.layout import KVLayout
 from kvferry.core.plan import Direction, chunks_spanned
 
@@ -74,7 +77,8 @@ class StagePlan:
 
 class StagePlanner:
     """Plans staged transfers for one layout: what depends only on the layout is worked out
-    once here, so planning a job costs a few numpy passes over its keys and batches."""
+    once here, so planning a job costs arithmetic per batch and group, plus one numpy pass over
+    its rows."""
 
     def __init__(
         self,
@@ -102,9 +106,7 @@ class StagePlanner:
         self._piece_bytes = piece_bytes
         self._tier_piece_bytes = tier_piece_bytes
         self._row_bytes = layout.row_bytes
-        self._group_bytes = np.array(
-            [layout.group_row_bytes(g) for g in range(layout.num_groups)], np.int64
-        )
+        self._sizes = [layout.group_row_bytes(g) for g in range(layout.num_groups)]
         self._dense = np.array(
             [all(r.page_bytes == r.page_stride for r in g.refs) for g in layout.groups]
         )
@@ -115,7 +117,7 @@ class StagePlanner:
             refs[:, _FIELD["page_stride"]] = [r.page_stride for r in group.refs]
             refs[:, _FIELD["page_bytes"]] = [r.page_bytes for r in group.refs]
             refs[:, _FIELD["stage_offset"]] = group.row_offsets(f)
-            refs[:, _FIELD["row_pitch"]] = self._group_bytes[g]
+            refs[:, _FIELD["row_pitch"]] = self._sizes[g]
             refs[:, _FIELD["slots"]] = f
             self._refs.append(refs)
         self._pieces = [-(-refs[:, _FIELD["page_bytes"]] // piece_bytes) for refs in self._refs]
@@ -123,162 +125,211 @@ class StagePlanner:
     def plan(self, bound: BoundPlan) -> StagePlan:
         """Return the batches of `bound`: runs of consecutive keys whose rows fit in staging.
 
-        Expects a plan `check_bound` accepted. A key takes `group_row_bytes(g)` of staging. A load
-        reads whole rows (bytes it does not need land in staging and stay there); a store writes
-        whole rows only where the plan fills them, and exactly its pages elsewhere (a partial
-        last chunk, padded pages), so the tier keeps every byte the plan does not name. No link
-        copy crosses a multiple of `tier_piece_bytes` in the tier (when it is > 0).
+        Expects a plan `check_bound` accepted. A key of group `g` takes `group_row_bytes(g)` of
+        staging; the first and the last batch hold at most `ramp_bytes`, so the pipeline fills
+        and drains quickly. A load reads whole rows (bytes it does not need land in staging and
+        stay there); a store writes whole rows only where the plan fills them, and exactly its
+        pages elsewhere (a partial last chunk, padded pages), so the tier keeps every byte the
+        plan does not name. No link copy crosses a multiple of `tier_piece_bytes` in the tier.
+        Work per job: Python over batches and groups, numpy over segment lines and link copies;
+        the keys themselves are touched by one numpy pass (finding runs of consecutive rows).
         """
-        keys = self._keys(bound)
-        dma = self._link_copies(bound.plan.direction, keys)
-        table, batch_of_line = self._segment_table(bound, keys)
-        pieces = table[:, _FIELD["first_item"]].copy()  # pieces per line, until turned below
-        nbytes = table[:, _FIELD["count"]] * table[:, _FIELD["page_bytes"]]
-        line_bounds = np.searchsorted(batch_of_line, np.arange(len(keys.bounds)))
-        running = np.cumsum(pieces) - pieces
-        table[:, _FIELD["first_item"]] = running - running[line_bounds[:-1]][batch_of_line]
-        table.setflags(write=False)
-        ends = keys.stage + keys.size
-        batches = []
-        for b in range(len(keys.bounds) - 1):
-            l0, l1 = int(line_bounds[b]), int(line_bounds[b + 1])
-            batches.append(
-                StageBatch(
-                    stage_bytes=int(ends[keys.bounds[b + 1] - 1]),
-                    dma=dma[b],
-                    first_line=l0,
-                    segments=table[l0:l1],
-                    items=int(pieces[l0:l1].sum()),
-                    nbytes=int(nbytes[l0:l1].sum()),
-                )
+        groups = self._groups(bound)
+        slices = self._slices(groups)
+        table, pieces, nbytes, line_batch = self._segment_table(groups, slices)
+        rows = np.asarray(bound.cpu_rows, np.int64)
+        dma = self._link_copies(bound.plan.direction, groups, slices, rows)
+        line_bounds = np.searchsorted(line_batch, np.arange(len(slices.stage_bytes) + 1))
+        firsts = line_bounds[:-1]
+        items = np.add.reduceat(pieces, firsts).tolist() if len(pieces) else []
+        moved = np.add.reduceat(nbytes, firsts).tolist() if len(nbytes) else []
+        bounds = line_bounds.tolist()
+        # built unchecked: every field comes from the arithmetic above, on a checked plan
+        batches = [
+            unchecked(
+                StageBatch,
+                stage_bytes=stage_bytes,
+                dma=dma[b],
+                first_line=bounds[b],
+                segments=table[bounds[b] : bounds[b + 1]],
+                items=items[b],
+                nbytes=moved[b],
             )
+            for b, stage_bytes in enumerate(slices.stage_bytes)
+        ]
         return StagePlan(table=table, batches=tuple(batches))
 
-    def _keys(self, bound: BoundPlan) -> _Keys:
-        """Return the job's keys as columns, with their batches and staging offsets."""
+    def _groups(self, bound: BoundPlan) -> list[_Group]:
+        """Return the groups the plan moves blocks of, with where their keys and ids start."""
         plan = bound.plan
         f = self._layout.blocks_per_chunk
-        sizes = np.asarray(plan.group_sizes, np.int64)
-        skips = np.asarray(plan.block_indices, np.int64) % f
-        rows = np.where(sizes > 0, -(-(sizes + skips) // f), 0)
-        group = np.repeat(np.arange(len(sizes)), rows)
-        first_row = np.cumsum(rows) - rows
-        first_slot = np.zeros(len(group), np.int64)
-        end_slot = np.full(len(group), f, np.int64)
-        used = rows > 0
-        first_slot[first_row[used]] = skips[used]
-        end_slot[(first_row + rows - 1)[used]] = (skips + sizes - (rows - 1) * f)[used]
-        size = self._group_bytes[group]
-        ends = np.cumsum(size)
-        starts = ends - size
-        bounds = self._batch_bounds(starts, ends)
-        batch = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
-        return _Keys(
-            group=group,
-            first_slot=first_slot,
-            end_slot=end_slot,
-            size=size,
-            stage=starts - starts[np.asarray(bounds[:-1], np.int64)][batch],
-            tier=np.asarray(bound.cpu_rows, np.int64) * self._row_bytes,
-            batch=batch,
-            bounds=tuple(bounds),
-        )
+        out = []
+        key0 = id0 = 0
+        for g, (n, first) in enumerate(zip(plan.group_sizes, plan.block_indices, strict=True)):
+            skip = first % f
+            keys = chunks_spanned(n, skip, f)
+            if keys:
+                out.append(
+                    _Group(g=g, n=n, skip=skip, keys=keys, key0=key0, id0=id0, size=self._sizes[g])
+                )
+            key0 += keys
+            id0 += n
+        return out
 
-    def _batch_bounds(self, starts: IdArray, ends: IdArray) -> tuple[int, ...]:
-        """Return the first key of each batch and the key count: greedy batches of at most
-        `capacity` bytes, except that the first and the last hold at most `ramp_bytes`.
-
-        The first batch's kernel (a store) or DMA (a load) runs before the other direction of
-        the pipeline has anything to do, and the last one's after; small ends keep those short.
-        """
-        bounds = [0]
-        total = int(ends[-1]) if len(ends) else 0
-        while bounds[-1] < len(ends):
-            first = bounds[-1]
-            left = total - int(starts[first])
-            limit = self._ramp_bytes if first == 0 else self._capacity
+    def _slices(self, groups: list[_Group]) -> _Slices:
+        """Cut the keys into batches, greedily, group by group (a group's keys all take the same
+        staging bytes, so this is arithmetic per batch, not a pass over keys)."""
+        total = sum(group.keys * group.size for group in groups)
+        slices = _Slices()
+        gi, taken, done = 0, 0, 0  # group index, its keys already batched, bytes batched
+        while gi < len(groups):
+            left = total - done
+            limit = self._ramp_bytes if done == 0 else self._capacity
             if self._ramp_bytes < left <= self._capacity + self._ramp_bytes:
                 limit = min(limit, left - self._ramp_bytes)  # leave a small last batch
-            cut = int(np.searchsorted(ends, starts[first] + max(limit, 1), "right"))
-            bounds.append(max(cut, first + 1))
-        return tuple(bounds)
+            used = 0
+            batch = len(slices.stage_bytes)
+            while gi < len(groups):
+                group = groups[gi]
+                count = min(group.keys - taken, max(limit - used, 0) // group.size)
+                if count == 0 and used == 0:
+                    count = 1  # a row larger than the ramp still moves, alone
+                if count == 0:
+                    break
+                slices.add(batch=batch, group=gi, first=taken, count=count, stage=used)
+                used += count * group.size
+                taken += count
+                if taken == group.keys:
+                    gi, taken = gi + 1, 0
+            slices.stage_bytes.append(used)
+            done += used
+        return slices
 
-    def _segment_table(self, bound: BoundPlan, keys: _Keys) -> tuple[IdArray, IdArray]:
-        """Return the job's segment table, batch after batch (column `first_item` holding each
-        line's piece count), and the batch of each line."""
-        plan = bound.plan
+    def _segment_table(
+        self, groups: list[_Group], slices: _Slices
+    ) -> tuple[IdArray, IdArray, IdArray, IdArray]:
+        """Return the job's segment table (one line per slice and ref, batch after batch), and per
+        line its kernel pieces, its bytes and its batch."""
         f = self._layout.blocks_per_chunk
-        lines, line_batch = [], []
-        id_start = key_start = 0
-        for g, (n, first_block) in enumerate(
-            zip(plan.group_sizes, plan.block_indices, strict=True)
-        ):
-            skip = first_block % f
-            rows = chunks_spanned(n, skip, f)
-            if rows:
-                # one slice per batch the group's rows fall in; k0/k1 count from its first row
-                cuts = np.flatnonzero(np.diff(keys.batch[key_start : key_start + rows])) + 1
-                k0 = np.concatenate(([0], cuts))
-                lo = np.maximum(skip, k0 * f)
-                hi = np.minimum(skip + n, np.concatenate((cuts, [rows])) * f)
-                refs = self._refs[g]
-                block = np.broadcast_to(refs, (len(k0), *refs.shape)).copy()
-                block[:, :, _FIELD["stage_offset"]] += keys.stage[key_start + k0][:, None]
-                block[:, :, _FIELD["id_offset"]] = (id_start + lo - skip)[:, None]
-                block[:, :, _FIELD["first_position"]] = (lo - k0 * f)[:, None]
-                block[:, :, _FIELD["count"]] = (hi - lo)[:, None]
-                block[:, :, _FIELD["first_item"]] = (hi - lo)[:, None] * self._pieces[g][None, :]
-                lines.append(block.reshape(-1, len(SEGMENT_FIELDS)))
-                line_batch.append(np.repeat(keys.batch[key_start + k0], len(refs)))
-            id_start += n
-            key_start += rows
-        if not lines:
-            return np.zeros((0, len(SEGMENT_FIELDS)), np.int64), np.zeros(0, np.int64)
-        batch_of_line = np.concatenate(line_batch)
-        order = np.argsort(batch_of_line, kind="stable")
-        return np.concatenate(lines)[order], batch_of_line[order]
+        parts, part_batch, part_order = [], [], []
+        slice_group = np.asarray(slices.group, np.int64)
+        for gi, group in enumerate(groups):
+            mine = np.flatnonzero(slice_group == gi)
+            if len(mine) == 0:
+                continue
+            k0 = np.asarray(slices.first, np.int64)[mine]
+            k1 = k0 + np.asarray(slices.count, np.int64)[mine]
+            lo = np.maximum(group.skip, k0 * f)
+            hi = np.minimum(group.skip + group.n, k1 * f)
+            refs = self._refs[group.g]
+            lines = np.repeat(refs[None, :, :], len(mine), axis=0)
+            lines[:, :, _FIELD["stage_offset"]] += np.asarray(slices.stage, np.int64)[mine, None]
+            lines[:, :, _FIELD["id_offset"]] = (group.id0 + lo - group.skip)[:, None]
+            lines[:, :, _FIELD["first_position"]] = (lo - k0 * f)[:, None]
+            lines[:, :, _FIELD["count"]] = (hi - lo)[:, None]
+            lines[:, :, _FIELD["first_item"]] = (hi - lo)[:, None] * self._pieces[group.g][None, :]
+            parts.append(lines.reshape(-1, len(SEGMENT_FIELDS)))
+            part_batch.append(np.repeat(np.asarray(slices.batch, np.int64)[mine], len(refs)))
+            part_order.append(np.repeat(mine, len(refs)))
+        if not parts:
+            empty = np.zeros(0, np.int64)
+            return np.zeros((0, len(SEGMENT_FIELDS)), np.int64), empty, empty, empty
+        order = np.argsort(np.concatenate(part_order), kind="stable")
+        table = np.concatenate(parts)[order]
+        line_batch = np.concatenate(part_batch)[order]
+        pieces = table[:, _FIELD["first_item"]].copy()
+        nbytes = table[:, _FIELD["count"]] * table[:, _FIELD["page_bytes"]]
+        running = np.cumsum(pieces) - pieces
+        batch_first = np.searchsorted(line_batch, line_batch)  # first line of each line's batch
+        table[:, _FIELD["first_item"]] = running - running[batch_first]
+        table.setflags(write=False)
+        return table, pieces, nbytes, line_batch
 
-    def _link_copies(self, direction: Direction, keys: _Keys) -> list[CopyList]:
-        """Return each batch's merged link copies, as (stage, tier) offsets."""
-        f = self._layout.blocks_per_chunk
-        stage, tier, size, batch = keys.stage, keys.tier, keys.size, keys.batch
-        if len(batch) == 0:
-            return []
-        if direction is Direction.STORE:
-            whole = (keys.first_slot == 0) & (keys.end_slot == f) & self._dense[keys.group]
-            if not whole.all():
-                parts = [(stage[whole], tier[whole], size[whole], batch[whole])]
-                for k in np.flatnonzero(~whole).tolist():
-                    in_row, piece = self._exact_pieces(
-                        int(keys.group[k]), int(keys.first_slot[k]), int(keys.end_slot[k])
-                    )
-                    parts.append(
-                        (stage[k] + in_row, tier[k] + in_row, piece, np.full(len(piece), batch[k]))
-                    )
-                stage, tier, size, batch = (
-                    np.concatenate(column) for column in zip(*parts, strict=True)
+    def _link_copies(
+        self, direction: Direction, groups: list[_Group], slices: _Slices, rows: IdArray
+    ) -> list[CopyList]:
+        """Return each batch's merged link copies, as (stage, tier) offsets.
+
+        A copy is a run of keys of one slice whose rows are consecutive (and, in the tier,
+        adjacent: the group's chunk fills the row); a store's keys the plan does not fill, or
+        whose pages are padded, are copied page by page instead.
+        """
+        n_batches = len(slices.stage_bytes)
+        if not groups:
+            return [_NO_COPIES] * n_batches
+        key0 = np.asarray([groups[gi].key0 for gi in slices.group], np.int64) + np.asarray(
+            slices.first, np.int64
+        )
+        exact = self._exact_keys(direction, groups)
+        starts = self._copy_starts(groups, key0, rows, exact)
+        ends = np.append(starts[1:], len(rows))
+        # each copy's slice: the last slice starting at or before its first key
+        owner = np.searchsorted(key0, starts, side="right") - 1
+        size_of = np.asarray([groups[gi].size for gi in slices.group], np.int64)[owner]
+        stage = np.asarray(slices.stage, np.int64)[owner] + (starts - key0[owner]) * size_of
+        tier = rows[starts] * self._row_bytes
+        size = (ends - starts) * size_of
+        batch = np.asarray(slices.batch, np.int64)[owner]
+        if len(exact):
+            is_exact = np.isin(starts, exact)
+            parts = [(stage[~is_exact], tier[~is_exact], size[~is_exact], batch[~is_exact])]
+            for i in np.flatnonzero(is_exact).tolist():
+                group = groups[slices.group[int(owner[i])]]
+                in_row, piece = self._exact_pieces(group, int(starts[i]) - group.key0)
+                parts.append(
+                    (stage[i] + in_row, tier[i] + in_row, piece, np.full(len(piece), batch[i]))
                 )
-                order = np.lexsort((stage, batch))
-                stage, tier, size, batch = stage[order], tier[order], size[order], batch[order]
-        breaks = np.concatenate(([True], batch[1:] != batch[:-1]))
-        if self._tier_piece_bytes:
-            breaks |= tier % self._tier_piece_bytes == 0
-        starts = merge_starts(stage, tier, size, breaks=breaks)
-        copy_batch = batch[starts]
-        size = np.add.reduceat(size, starts) if len(starts) else size
-        stage, tier = stage[starts], tier[starts]
+            stage, tier, size, batch = (
+                np.concatenate(column) for column in zip(*parts, strict=True)
+            )
+            order = np.lexsort((stage, batch))
+            stage, tier, size, batch = stage[order], tier[order], size[order], batch[order]
         src, dst = (stage, tier) if direction is Direction.STORE else (tier, stage)
-        cuts = np.searchsorted(copy_batch, np.arange(len(keys.bounds)))
+        bounds = np.searchsorted(batch, np.arange(n_batches + 1)).tolist()
         return [
-            CopyList(src=src[a:b], dst=dst[a:b], nbytes=size[a:b])
-            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True)
+            unchecked(CopyList, src=src[a:b], dst=dst[a:b], nbytes=size[a:b])
+            for a, b in itertools.pairwise(bounds)
         ]
 
-    def _exact_pieces(self, g: int, first_slot: int, end_slot: int) -> tuple[IdArray, IdArray]:
-        """Return (offset in the row, size) of each page a row of group `g` holds in slots
-        `[first_slot, end_slot)`; staging mirrors the tier, so the offset serves both sides."""
-        refs = self._refs[g]
-        slots = np.arange(first_slot, end_slot, dtype=np.int64)
+    def _exact_keys(self, direction: Direction, groups: list[_Group]) -> IdArray:
+        """Return the keys a store must copy page by page: partial chunks, padded pages."""
+        if direction is not Direction.STORE:
+            return np.zeros(0, np.int64)
+        f = self._layout.blocks_per_chunk
+        exact: list[int] = []
+        for group in groups:
+            if not self._dense[group.g]:
+                exact.extend(range(group.key0, group.key0 + group.keys))
+                continue
+            if group.skip:
+                exact.append(group.key0)
+            if group.skip + group.n - (group.keys - 1) * f < f:
+                exact.append(group.key0 + group.keys - 1)
+        return np.asarray(sorted(set(exact)), np.int64)
+
+    def _copy_starts(
+        self, groups: list[_Group], key0: IdArray, rows: IdArray, exact: IdArray
+    ) -> IdArray:
+        """Return the keys where a link copy must start: a slice's first key, a break in the
+        rows, every key of a group whose chunk is shorter than a row, a registration boundary
+        of the tier, and around the keys copied page by page."""
+        cuts = [key0, np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1, exact, exact + 1]
+        for group in groups:
+            if group.size != self._row_bytes:
+                cuts.append(np.arange(group.key0, group.key0 + group.keys))
+        if self._tier_piece_bytes:
+            cuts.append(np.flatnonzero(rows % (self._tier_piece_bytes // self._row_bytes) == 0))
+        starts = np.unique(np.concatenate(cuts))
+        return starts[starts < len(rows)]
+
+    def _exact_pieces(self, group: _Group, local: int) -> tuple[IdArray, IdArray]:
+        """Return (offset in the row, size) of each page the plan fills in the row of the
+        group's key `local`; staging mirrors the tier, so the offset serves both sides."""
+        f = self._layout.blocks_per_chunk
+        first = group.skip if local == 0 else 0
+        end = min(group.skip + group.n - local * f, f)
+        refs = self._refs[group.g]
+        slots = np.arange(first, end, dtype=np.int64)
         offset = refs[:, _FIELD["stage_offset"], None]
         stride = refs[:, _FIELD["page_stride"], None]
         size = refs[:, _FIELD["page_bytes"], None]
@@ -286,20 +337,44 @@ class StagePlanner:
         return in_row, np.broadcast_to(size, (len(refs), len(slots))).ravel()
 
 
-@attrs.frozen(kw_only=True, eq=False)
-class _Keys:
-    """A job's keys as columns: group, the slots `[first_slot, end_slot)` of the row the plan
-    fills, staging bytes, offsets in its batch's staging and in the tier, and its batch."""
+@attrs.frozen(kw_only=True)
+class _Group:
+    """A group the plan moves: its index, blocks, skip, keys, first key and id, key bytes."""
 
-    group: IdArray
-    first_slot: IdArray
-    end_slot: IdArray
-    size: IdArray
-    stage: IdArray
-    tier: IdArray
-    batch: IdArray
-    bounds: tuple[int, ...]
-    """Batch `b` holds keys `[bounds[b], bounds[b + 1])`."""
+    g: int
+    n: int
+    skip: int
+    keys: int
+    key0: int
+    id0: int
+    size: int
+
+
+@attrs.define
+class _Slices:
+    """The (batch, group) slices of a job, as columns, and each batch's staging bytes."""
+
+    batch: list[int] = attrs.Factory(list)
+    group: list[int] = attrs.Factory(list)
+    """Index into the job's groups (not the layout's group number)."""
+    first: list[int] = attrs.Factory(list)
+    """The slice's first key, counted in its group."""
+    count: list[int] = attrs.Factory(list)
+    stage: list[int] = attrs.Factory(list)
+    """Offset of the slice's first key in its batch's staging."""
+    stage_bytes: list[int] = attrs.Factory(list)
+    """Per batch: the staging bytes it uses."""
+
+    def add(self, *, batch: int, group: int, first: int, count: int, stage: int) -> None:
+        """Append one slice."""
+        self.batch.append(batch)
+        self.group.append(group)
+        self.first.append(first)
+        self.count.append(count)
+        self.stage.append(stage)
+
+
+_NO_COPIES = CopyList(src=np.zeros(0, np.int64), dst=np.zeros(0, np.int64), nbytes=np.zeros(0))
 
 
 def plan_stages(

@@ -119,12 +119,9 @@ class TorchExecutor(StagedGpuExecutor):
     def _allocate(self, nbytes: int) -> Any:
         return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._device)
 
-    def _upload(self, values: IdArray, stream: Any, keep: list[Any]) -> Any:
-        host = self._torch.from_numpy(values).pin_memory()
-        with self._torch.cuda.stream(stream):
-            device = host.to(self._device, non_blocking=True)
-        keep.extend((host, device))
-        return device
+    def _allocate_pinned(self, count: int) -> tuple[Any, IdArray]:
+        host = self._torch.empty(count, dtype=self._torch.int64, pin_memory=True)
+        return host, host.numpy()
 
     def _address(self, buffer: Any) -> int:
         return int(buffer.data_ptr())

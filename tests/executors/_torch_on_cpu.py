@@ -142,6 +142,13 @@ class TorchOnCpuExecutor(TorchExecutor):
     def _destroy_event(self, event: Any) -> None:
         return None
 
+    def _synchronize_event(self, event: Any) -> None:
+        return None
+
+    def _allocate_pinned(self, count: int) -> tuple[Any, Any]:
+        host = np.zeros(count, np.int64)
+        return host, host
+
     def _launch_stage_copy(
         self,
         stream: int,
