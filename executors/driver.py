@@ -94,9 +94,13 @@ class CudaDriver:
         _check(status, "cuEventQuery")
         return True
 
+    def synchronize(self, event: int) -> None:
+        """Block until `event`'s work has completed."""
+        _check(self._lib.cuEventSynchronize(event), "cuEventSynchronize")
+
     def elapsed(self, start: int, end: int) -> float:
         """Block until `end`; return the seconds from `start` to `end` (timing events)."""
-        _check(self._lib.cuEventSynchronize(end), "cuEventSynchronize")
+        self.synchronize(end)
         milliseconds = ctypes.c_float()
         _check(
             self._lib.cuEventElapsedTime(ctypes.byref(milliseconds), start, end),

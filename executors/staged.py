@@ -157,7 +157,7 @@ class StagedGpuExecutor(Executor):
 
     def _synchronize_event(self, event: Any) -> None:
         """Block until `event` has completed."""
-        self._cuda().elapsed(event, event)
+        self._cuda().synchronize(event)
 
     def _destroy_event(self, event: Any) -> None:
         """Release an event made by `_new_event`."""

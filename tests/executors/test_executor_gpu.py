@@ -7,7 +7,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _harness import LAYOUT_CASES, POISON_HOST, GroupMove, Model, backend_for, bound_plan
+from _harness import (
+    LAYOUT_CASES,
+    POISON_HOST,
+    GroupMove,
+    Model,
+    backend_for,
+    bound_plan,
+    expected_host,
+)
 
 from kvferry.core.plan import Direction
 from kvferry.executors import CopyPath
@@ -164,3 +172,28 @@ def test_a_store_waits_on_the_compute_stream_given_at_construction(name: str) ->
         assert result.success
         mirror = executor.host_tier.mirror(executor.layout, 2, 1)
         assert (mirror[9] == 0x3C).all()
+
+
+@pytest.mark.parametrize("name", GPU_EXECUTORS)
+def test_stores_queued_back_to_back_each_write_their_own_rows(name: str) -> None:
+    model = _model(name)
+    model.fill_random(np.random.default_rng(3))
+    source = model.snapshot()
+    batches = [
+        [
+            GroupMove(ids=(5 + j, 9 + j, 2 + j), first=0, rows=(3 * j,)),
+            GroupMove(ids=(), first=0, rows=()),
+            GroupMove(ids=(11 + j,), first=0, rows=(3 * j + 1,)),
+        ]
+        for j in range(4)
+    ]
+    with model.executor as executor:
+        before = executor.host_tier.array.copy()
+        for j, moves in enumerate(batches):  # no wait in between: uploads reuse one buffer
+            executor.submit(bound_plan(j + 1, Direction.STORE, 3, moves))
+        results = executor.wait(list(range(1, len(batches) + 1)))
+        assert all(result.success for result in results), [r.error for r in results]
+        expected = before
+        for moves in batches:
+            expected = expected_host(model, expected, source, moves)
+        np.testing.assert_array_equal(executor.host_tier.array, expected)
