@@ -52,6 +52,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cupy-512blocks": ("cupy", {"copy_blocks": 512}),
     "torch-16blocks": ("torch", {"copy_blocks": 16}),
     "cupy-16blocks": ("cupy", {"copy_blocks": 16}),
+    "torch-urgent": ("torch", {"kernel_priority": -1}),
+    "cupy-urgent": ("cupy", {"kernel_priority": -1}),
     "cpu": ("cpu", {}),
 }
 """Variant name -> (executor name, executor options). `cpu` is for `--gpus` dry runs only."""

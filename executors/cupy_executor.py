@@ -97,6 +97,7 @@ class CupyExecutor(StagedGpuExecutor):
         compute_stream: Any = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,
+        kernel_priority: int = 0,
         copy_path: CopyPath | PathChoice = CopyPath.STAGED,
         zero_copy_blocks: int = 32,
     ) -> None:
@@ -117,6 +118,7 @@ class CupyExecutor(StagedGpuExecutor):
             num_rows=num_rows,
             staging_bytes=staging_bytes,
             copy_blocks=copy_blocks,
+            kernel_priority=kernel_priority,
         )
         with self._on_device():
             self._compute_stream = self._as_stream(compute_stream)
@@ -155,8 +157,8 @@ class CupyExecutor(StagedGpuExecutor):
 
     # --- StagedGpuExecutor's primitives, in CuPy -----------------------------------------------
 
-    def _new_stream(self) -> Any:
-        return self._cupy.cuda.Stream(non_blocking=True)
+    def _new_stream(self, *, priority: int = 0) -> Any:
+        return self._cupy.cuda.Stream(non_blocking=True, priority=priority)
 
     def _stream_handle(self, stream: Any) -> int:
         return int(stream.ptr)

@@ -65,6 +65,7 @@ class StagedGpuExecutor(Executor):
         num_rows: int,
         staging_bytes: int,
         copy_blocks: int,
+        kernel_priority: int = 0,
     ) -> None:
         super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
         self._half_bytes = max(staging_bytes // 2, self.layout.row_bytes)
@@ -79,7 +80,7 @@ class StagedGpuExecutor(Executor):
         self._launcher: StageCopyLauncher | None = None
         with self._on_device():
             self._link = {d: self._new_stream() for d in Direction}
-            self._work = {d: self._new_stream() for d in Direction}
+            self._work = {d: self._new_stream(priority=kernel_priority) for d in Direction}
             # events re-recorded by every batch or job: a wait sees the record made before it,
             # so one `done` and `tail` per direction and one `released` per half are enough
             self._done_event = {d: self._new_event() for d in Direction}
@@ -97,8 +98,9 @@ class StagedGpuExecutor(Executor):
         """Return a context that makes the KV tensors' device (and its context) current."""
 
     @abc.abstractmethod
-    def _new_stream(self) -> Any:
-        """Return a new non-blocking stream on the executor's device (the library's object)."""
+    def _new_stream(self, *, priority: int = 0) -> Any:
+        """Return a new non-blocking stream on the executor's device (the library's object);
+        `priority` as CUDA counts it (lower is more urgent, 0 the default)."""
 
     @abc.abstractmethod
     def _stream_handle(self, stream: Any) -> int:

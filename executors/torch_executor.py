@@ -73,6 +73,7 @@ class TorchExecutor(StagedGpuExecutor):
         compute_stream: Any = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,
+        kernel_priority: int = 0,
     ) -> None:
         torch = load_torch()
         if not torch.cuda.is_available():
@@ -87,6 +88,7 @@ class TorchExecutor(StagedGpuExecutor):
             num_rows=num_rows,
             staging_bytes=staging_bytes,
             copy_blocks=copy_blocks,
+            kernel_priority=kernel_priority,
         )
         self._compute_stream = compute_stream
 
@@ -106,8 +108,8 @@ class TorchExecutor(StagedGpuExecutor):
     def _on_device(self) -> Any:
         return self._torch.cuda.device(self._device)
 
-    def _new_stream(self) -> Any:
-        return self._torch.cuda.Stream(device=self._device)
+    def _new_stream(self, *, priority: int = 0) -> Any:
+        return self._torch.cuda.Stream(device=self._device, priority=priority)
 
     def _stream_handle(self, stream: Any) -> int:
         return int(stream.cuda_stream)
