@@ -7,12 +7,23 @@ import ctypes
 
 import numpy as np
 import pytest
-from _harness import LAYOUT_CASES, POISON_HOST, GroupMove, Model, backend_for, bound_plan
+from _harness import (
+    LAYOUT_CASES,
+    NUM_BLOCKS,
+    NUM_ROWS,
+    POISON_HOST,
+    GroupMove,
+    Model,
+    backend_for,
+    bound_plan,
+)
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList, check_bound, expand_pages
-from kvferry.core.plan import Direction
+from kvferry.core.plan import Direction, chunks_spanned
 from kvferry.executors.kernels import PIECE_BYTES
 from kvferry.executors.staging import StageBatch, StagePlanner, plan_stages, segment_copies
 
@@ -167,3 +178,73 @@ def test_the_first_and_last_batches_stay_small_so_the_pipeline_fills_and_drains_
     assert sizes[0] == sizes[-1] == 1
     assert sum(sizes) == 16
     assert max(sizes) == 6
+
+
+@st.composite
+def _staged_cases(draw: st.DrawFn) -> tuple[str, int, Direction, list[GroupMove], int, int, int]:
+    """A layout case, F, a direction, one move per group, and the planner's sizes (in rows)."""
+    case = draw(st.sampled_from(sorted(LAYOUT_CASES)))
+    f = draw(st.integers(1, 3))
+    direction = draw(st.sampled_from(list(Direction)))
+    free_rows = draw(st.permutations(range(NUM_ROWS)))
+    if draw(st.booleans()):  # a fresh tier: consecutive rows, so link copies merge
+        free_rows = sorted(free_rows)
+    moves, taken = [], 0
+    for _ in LAYOUT_CASES[case]:
+        n = draw(st.integers(0, 2 * f + 1))
+        skip = draw(st.integers(0, f - 1)) if direction is Direction.LOAD and n else 0
+        rows = chunks_spanned(n, skip, f)
+        ids = draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=n, max_size=n, unique=True))
+        first = 4 * f + skip if n else 0
+        moves.append(
+            GroupMove(ids=tuple(ids), first=first, rows=tuple(free_rows[taken : taken + rows]))
+        )
+        taken += rows
+    capacity_rows = draw(st.integers(1, 4))
+    ramp_rows = draw(st.integers(1, capacity_rows))
+    piece_rows = draw(st.sampled_from([0, 1, 2, 3]))
+    return case, f, direction, moves, capacity_rows, ramp_rows, piece_rows
+
+
+@given(_staged_cases())
+def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
+    drawn: tuple[str, int, Direction, list[GroupMove], int, int, int],
+) -> None:
+    case, f, direction, moves, capacity_rows, ramp_rows, piece_rows = drawn
+    direct = Model(backend_for("cpu"), LAYOUT_CASES[case], f)
+    staged = Model(backend_for("cpu"), LAYOUT_CASES[case], f)
+    layout = staged.executor.layout  # its refs hold the staged model's addresses
+    rng = np.random.default_rng(0)
+    direct.fill_random(rng)
+    for a, b in zip(direct.buffers, staged.buffers, strict=True):
+        for x, y in zip(a, b, strict=True):
+            y[:] = x
+    tier = rng.integers(0, 256, direct.executor.host_tier.nbytes, dtype=np.uint8)
+    for model in (direct, staged):
+        model.executor.host_tier.array[:] = tier
+    bound = bound_plan(1, direction, f, moves)
+    planner = StagePlanner(
+        layout,
+        capacity=capacity_rows * layout.row_bytes,
+        piece_bytes=PIECE_BYTES,
+        tier_piece_bytes=piece_rows * layout.row_bytes,
+        ramp_bytes=ramp_rows * layout.row_bytes,
+    )
+    batches = planner.plan(bound).batches
+    assert sum(b.nbytes for b in batches) == check_bound(bound, layout)
+    assert all(b.stage_bytes <= capacity_rows * layout.row_bytes for b in batches)
+    stage = np.full(capacity_rows * layout.row_bytes, 0x77, dtype=np.uint8)
+    stage_address, host = int(stage.ctypes.data), staged.executor.host_tier.address
+    for batch in batches:
+        pages = segment_copies(batch.segments, bound.plan.gpu_block_ids, direction=direction)
+        if direction is Direction.STORE:
+            _replay(pages, 0, stage_address)
+            _replay(batch.dma, stage_address, host)
+        else:
+            _replay(batch.dma, host, stage_address)
+            _replay(pages, stage_address, 0)
+    direct.run(bound)
+    np.testing.assert_array_equal(staged.executor.host_tier.array, direct.executor.host_tier.array)
+    for a, b in zip(direct.snapshot(), staged.snapshot(), strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
