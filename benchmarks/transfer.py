@@ -2,10 +2,12 @@
 
 A benchmark, never part of the test suite: it needs a CUDA GPU and prints a table plus JSON.
 Effective GB/s is measured on the host clock from `submit()` to the end of `wait()`
-(expansion, staging plans and descriptor uploads included); the ceiling is a contiguous 1 GiB
-pinned copy in each direction, measured in the same run.
+(planning, uploads and every queued call included); the ceiling is a contiguous 1 GiB pinned
+copy in each direction, measured in the same run. Jobs move random GPU block ids to or from CPU
+rows as a fresh kvferry `Catalog` allocates them for one job (`--rows random`: a fragmented
+tier). It ends with issue 5's target 1 and target 4 lines (PASS/FAIL).
 
-    python3 benchmarks/transfer.py --json bench-out/transfer.json
+    python3 benchmarks/transfer.py --variants torch,cupy --json bench-out/transfer.json
 
 `--gpus N` runs the same transfer on N GPUs at once, one worker process per GPU
 (`kvferry.adapters.workers`: the scheduler side sends each bound plan to every rank as message
