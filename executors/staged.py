@@ -279,9 +279,10 @@ class StagedGpuExecutor(Executor):
         work = self._work[direction]
         buffers = self._tables.get(direction)
         if buffers is None or buffers.capacity < len(values):
-            if buffers is not None:
+            if buffers is not None:  # grow: wait until nothing reads the old buffers
                 self._synchronize(work)
                 self._synchronize(self._link[direction])
+                self._destroy_event(buffers.uploaded)
             capacity = max(len(values), 1 << 16)
             host, view = self._allocate_pinned(capacity)
             device = self._allocate(capacity * 8)
