@@ -74,7 +74,8 @@ class StagedGpuExecutor(Executor):
             self.layout,
             capacity=self._half_bytes,
             piece_bytes=PIECE_BYTES,
-            tier_piece_bytes=self.host_tier.piece_bytes,
+            # a tier pinned in one piece has no registration boundary to respect
+            tier_piece_bytes=0 if len(self.host_tier.pieces) == 1 else self.host_tier.piece_bytes,
         )
         self._driver: CudaDriver | None = None
         self._launcher: StageCopyLauncher | None = None

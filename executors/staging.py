@@ -234,9 +234,12 @@ class StagePlanner:
         if not parts:
             empty = np.zeros(0, np.int64)
             return np.zeros((0, len(SEGMENT_FIELDS)), np.int64), empty, empty, empty
-        order = np.argsort(np.concatenate(part_order), kind="stable")
-        table = np.concatenate(parts)[order]
-        line_batch = np.concatenate(part_batch)[order]
+        if len(parts) == 1:  # one group: its slices are already in batch order
+            table, line_batch = parts[0], part_batch[0]
+        else:
+            order = np.argsort(np.concatenate(part_order), kind="stable")
+            table = np.concatenate(parts)[order]
+            line_batch = np.concatenate(part_batch)[order]
         pieces = table[:, _FIELD["first_item"]].copy()
         nbytes = table[:, _FIELD["count"]] * table[:, _FIELD["page_bytes"]]
         running = np.cumsum(pieces) - pieces
@@ -313,7 +316,9 @@ class StagePlanner:
         """Return the keys where a link copy must start: a slice's first key, a break in the
         rows, every key of a group whose chunk is shorter than a row, a registration boundary
         of the tier, and around the keys copied page by page."""
-        cuts = [key0, np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1, exact, exact + 1]
+        cuts = [key0, np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1]
+        if len(exact):
+            cuts += [exact, exact + 1]
         for group in groups:
             if group.size != self._row_bytes:
                 cuts.append(np.arange(group.key0, group.key0 + group.keys))
