@@ -147,6 +147,7 @@ def _save(
 ) -> Path:
     """Finish a plot of either benchmark (log2 x axis, labels, legend), write it; return `png`."""
     axis.set_xscale("log", base=2)
+    axis.set_ylim(bottom=0)  # ratios read true only from zero
     axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
     axis.set_title(f"kvferry {title}")
@@ -190,7 +191,8 @@ def plot_transfer(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path
         png,
         xlabel="page (KiB)",
         ylabel="GB/s",
-        title=f"transfer, {data.get('device', 'GPU')}",
+        title=f"transfer, {data.get('device', 'GPU')}"
+        + (f"\n{data['jobs']}" if data.get("jobs") else ""),
     )
 
 
@@ -226,6 +228,45 @@ def plot_planner(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path 
         xlabel="blocks per chunk (F)",
         ylabel="ms",
         title=f"planner, {data.get('machine', '')}",
+    )
+
+
+def plot_interference(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path | None:
+    """Draw, per variant, the combined (store + load) GB/s during the matmul loop against page
+    size, each point labelled with the matmul's slowdown, with the bidirectional ceiling and
+    target 2's 0.90 of it, from `benchmarks/interference.py`'s JSON; return the PNG's path, or
+    None (said on `log`) without matplotlib."""
+    plt = _pyplot(log)
+    if plt is None:
+        return None
+    data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
+    series: dict[str, list[tuple[int, float, float]]] = {}
+    for row in data.get("results", []):
+        together = row.get("together", {})
+        gbps = sum(float(together.get(d, {}).get("gbps", float("nan"))) for d in ("store", "load"))
+        series.setdefault(str(row["variant"]), []).append(
+            (int(row["page_kib"]), gbps, 100 * float(row["slowdown"]))
+        )
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for variant, points in sorted(series.items()):
+        points.sort()
+        axis.plot([p for p, _, _ in points], [g for _, g, _ in points], marker="o", label=variant)
+        for page, gbps, slowdown in points:
+            axis.annotate(f"{slowdown:+.1f}%", (page, gbps), fontsize=6)
+    bidirectional = data.get("ceiling_gbps", {}).get("bidirectional")
+    if bidirectional is not None:
+        for share, style in ((1.0, ":"), (0.9, "--")):
+            level = share * float(bidirectional)
+            axis.axhline(level, color="grey", linewidth=0.8, linestyle=style)
+            axis.annotate(f"{share:.2f} x both-ways ceiling", (16, level), fontsize=7)
+    return _save(
+        plt,
+        figure,
+        axis,
+        png,
+        xlabel="page (KiB)",
+        ylabel="store + load GB/s beside the matmul (labels: matmul slowdown)",
+        title=f"interference, {data.get('device', 'GPU')}",
     )
 
 

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -438,6 +439,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--matmuls", type=int, default=300, help="matmuls per timed loop")
     parser.add_argument("--window", type=float, default=0.4, help="seconds of transfers alone")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None, help="also draw a PNG (needs matplotlib)")
     return parser
 
 
@@ -574,6 +576,10 @@ def main() -> int:
                 handle,
                 indent=2,
             )
+    if args.png and args.json:
+        from kvferry.adapters.bench import plot_interference
+
+        plot_interference(Path(args.json), Path(args.png))
     return 0
 
 

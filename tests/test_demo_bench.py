@@ -15,6 +15,7 @@ from kvferry.adapters import cli
 from kvferry.adapters.bench import (
     Benchmark,
     BenchStatus,
+    plot_interference,
     plot_planner,
     plot_transfer,
     run_benchmarks,
@@ -146,5 +147,21 @@ def test_the_planner_plot_is_a_png_when_matplotlib_is_installed(tmp_path: Path) 
     ]
     results.write_text(json.dumps({"machine": "m", "lookup": rows, "store": []}), encoding="utf-8")
     png = plot_planner(results, tmp_path / "planner.png", log=io.StringIO())
+    assert png is not None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_interference_plot_is_a_png_when_matplotlib_is_installed(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "interference.json"
+    row = {
+        "variant": "cupy",
+        "page_kib": 16,
+        "slowdown": 0.05,
+        "together": {"store": {"gbps": 40.0}, "load": {"gbps": 41.0}},
+    }
+    data = {"device": "GPU", "ceiling_gbps": {"bidirectional": 100.0}, "results": [row]}
+    results.write_text(json.dumps(data), encoding="utf-8")
+    png = plot_interference(results, tmp_path / "interference.png", log=io.StringIO())
     assert png is not None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
