@@ -382,21 +382,6 @@ class _Slices:
 _NO_COPIES = CopyList(src=np.zeros(0, np.int64), dst=np.zeros(0, np.int64), nbytes=np.zeros(0))
 
 
-def plan_stages(
-    bound: BoundPlan,
-    layout: KVLayout,
-    *,
-    capacity: int,
-    piece_bytes: int,
-    tier_piece_bytes: int = 0,
-) -> tuple[StageBatch, ...]:
-    """Return the batches of `bound` (a one-off `StagePlanner(...).plan(bound).batches`)."""
-    planner = StagePlanner(
-        layout, capacity=capacity, piece_bytes=piece_bytes, tier_piece_bytes=tier_piece_bytes
-    )
-    return planner.plan(bound).batches
-
-
 def segment_copies(segments: IdArray, ids: IdArray, *, direction: Direction) -> CopyList:
     """Return the page copies a segment table means, as (src, dst, nbytes) with the GPU side as
     absolute addresses and the staging side as offsets: the copy kernel's work, page by page

@@ -25,7 +25,7 @@ from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList, check_bound, expand_pages
 from kvferry.core.plan import Direction, chunks_spanned
 from kvferry.executors.kernels import PIECE_BYTES
-from kvferry.executors.staging import StageBatch, StagePlanner, plan_stages, segment_copies
+from kvferry.executors.staging import StageBatch, StagePlanner, segment_copies
 
 
 def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
@@ -38,15 +38,13 @@ def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
 def _batches(
     model: Model, bound: BoundPlan, capacity: int, piece_bytes: int = 0
 ) -> list[StageBatch]:
-    return list(
-        plan_stages(
-            bound,
-            model.executor.layout,
-            capacity=capacity,
-            piece_bytes=PIECE_BYTES,
-            tier_piece_bytes=piece_bytes,
-        )
+    planner = StagePlanner(
+        model.executor.layout,
+        capacity=capacity,
+        piece_bytes=PIECE_BYTES,
+        tier_piece_bytes=piece_bytes,
     )
+    return list(planner.plan(bound).batches)
 
 
 def _staged(model: Model, bound: BoundPlan, capacity: int, piece_bytes: int = 0) -> None:
@@ -113,14 +111,9 @@ def test_staged_store_and_load_match_direct_copies(case: str, rows_per_batch: in
 
 def test_a_staging_buffer_smaller_than_a_row_is_refused() -> None:
     model = Model(backend_for("cpu"), LAYOUT_CASES["mla"], 1)
-    bound = bound_plan(1, Direction.STORE, 1, [GroupMove(ids=(1,), first=0, rows=(0,))])
+    layout = model.executor.layout
     with pytest.raises(InvalidInputError, match="staging_bytes"):
-        plan_stages(
-            bound,
-            model.executor.layout,
-            capacity=model.executor.layout.row_bytes - 1,
-            piece_bytes=PIECE_BYTES,
-        )
+        StagePlanner(layout, capacity=layout.row_bytes - 1, piece_bytes=PIECE_BYTES)
 
 
 @pytest.mark.parametrize("direction", list(Direction))
