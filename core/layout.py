@@ -6,6 +6,7 @@ Pure values built from shapes, strides and integer addresses: never touches a te
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import math
 import numbers
@@ -168,7 +169,7 @@ class KVLayout:
         """Return the number of groups."""
         return len(self.groups)
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         """Return the size of one CPU row: the largest group's chunk, page strides counted."""
         return max(g.row_bytes(self.blocks_per_chunk) for g in self.groups)
@@ -181,7 +182,7 @@ class KVLayout:
         """Return the bytes of a row that a chunk of `group` leaves unused or never copies."""
         return self.row_bytes - self.groups[group].chunk_copy_bytes(self.blocks_per_chunk)
 
-    @property
+    @functools.cached_property  # every submit compares it
     def fingerprint(self) -> str:
         """Return a short hash of the row geometry (F, strides, sizes); addresses not included.
 
