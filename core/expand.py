@@ -120,7 +120,7 @@ def check_bound(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = No
             fail("gpu_block_ids", f"ids below {layout.groups[g].num_blocks}", int(ids.max()), g)
         if num_rows is not None and int(rows.max()) >= num_rows:
             fail("cpu_rows", f"rows below {num_rows} (the tier's)", int(rows.max()), g)
-        total += n * sum(ref.page_bytes for ref in layout.groups[g].refs)
+        total += n * layout.groups[g].block_copy_bytes
     if id_start != len(plan.gpu_block_ids):
         fail("gpu_block_ids", f"{id_start} ids in all", len(plan.gpu_block_ids))
     if key_start != len(bound.cpu_rows):

@@ -138,7 +138,12 @@ class GroupLayout:
 
     def chunk_copy_bytes(self, blocks_per_chunk: int) -> int:
         """Return the bytes one full chunk of this group actually copies (no padding)."""
-        return blocks_per_chunk * sum(r.page_bytes for r in self.refs)
+        return blocks_per_chunk * self.block_copy_bytes
+
+    @functools.cached_property  # every submit counts the bytes it moves
+    def block_copy_bytes(self) -> int:
+        """Return the bytes one block of this group copies: its page in every ref."""
+        return sum(r.page_bytes for r in self.refs)
 
 
 def _groups_tuple(value: Sequence[GroupLayout]) -> tuple[GroupLayout, ...]:

@@ -193,7 +193,7 @@ class CupyExecutor(StagedGpuExecutor):
     def _enqueue_zero_copy(self, bound: BoundPlan) -> GpuJob:
         """Queue one kernel that copies every page straight between the KV tensors and the tier."""
         direction = bound.plan.direction
-        link = self._link[direction]
+        link = self._lanes[direction][0]
         job = self._begin(direction, CopyPath.ZERO_COPY)
         pages = expand_pages(bound, self.layout)
         copies = copy_list(pages, self.host_tier.address, piece_bytes=self.host_tier.piece_bytes)

@@ -2,10 +2,12 @@
 
 A store gathers a batch's pages into staging with one kernel launch (the page addresses are
 computed on the GPU from a small segment table), then copies the staging to the tier in one DMA
-per contiguous range of rows; a load does the reverse. Each direction has a link stream (DMAs), a
-work stream (kernels) and two staging halves, so the kernel of one batch overlaps the DMA of the
-next. A backend supplies its library's streams, memory and compiled kernel; the per-batch calls
-go through the CUDA driver.
+per contiguous range of rows; a load does the reverse. Each direction has two *lanes*, each a
+stream that owns one staging half: batch k runs its kernel and its DMA on lane k % 2, so stream
+order alone keeps a half from being reused too early, and the kernel of one batch overlaps the
+DMA of the previous one on the other lane. A batch costs two host calls (a launch and a DMA) and
+no event. A backend supplies its library's streams, memory and compiled kernel; the per-batch
+calls go through the CUDA driver.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kvferry.core.plan import Direction
 from kvferry.executors.base import CopyPath, Executor
 from kvferry.executors.driver import CudaDriver, StageCopyLauncher
 from kvferry.executors.kernels import PIECE_BYTES, WARPS
-from kvferry.executors.staging import StageBatch, StagePlanner
+from kvferry.executors.staging import StagePlanner
 from kvferry.executors.tensors import KVTensor
 
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -80,14 +82,22 @@ class StagedGpuExecutor(Executor):
         self._driver: CudaDriver | None = None
         self._launcher: StageCopyLauncher | None = None
         with self._on_device():
-            self._link = {d: self._new_stream() for d in Direction}
-            self._work = {d: self._new_stream(priority=kernel_priority) for d in Direction}
-            # events re-recorded by every batch or job: a wait sees the record made before it,
-            # so one `done` and `tail` per direction and one `released` per half are enough
-            self._done_event = {d: self._new_event() for d in Direction}
-            self._released = {d: (self._new_event(), self._new_event()) for d in Direction}
+            self._lanes = {
+                d: (
+                    self._new_stream(priority=kernel_priority),
+                    self._new_stream(priority=kernel_priority),
+                )
+                for d in Direction
+            }
+            # events re-recorded by every job: a wait sees the record made before it, so one of
+            # each per direction is enough
             self._ready = {d: self._new_event() for d in Direction}
+            self._joined = {d: self._new_event() for d in Direction}
             self._tail = {d: self._new_event() for d in Direction}
+        self._lane_handles = {
+            d: (self._stream_handle(pair[0]), self._stream_handle(pair[1]))
+            for d, pair in self._lanes.items()
+        }
         self._started: set[Direction] = set()
         self._staging: dict[Direction, list[Any]] = {}
         self._tables: dict[Direction, _TableBuffers] = {}
@@ -205,84 +215,78 @@ class StagedGpuExecutor(Executor):
         return self._staging[direction]
 
     def _begin(self, direction: Direction, path: CopyPath) -> GpuJob:
-        """Return a new job of `direction` whose streams wait on compute and the previous job."""
+        """Return a new job of `direction` whose lanes wait on compute and the previous job."""
         ready = self._ready[direction]
         self._record(ready, self._compute_stream_now())
-        link = self._stream_handle(self._link[direction])
-        for stream in (link, self._stream_handle(self._work[direction])):
-            self._wait(stream, ready)
+        for lane in self._lane_handles[direction]:
+            self._wait(lane, ready)
             if direction in self._started:
-                self._wait(stream, self._tail[direction])
+                self._wait(lane, self._tail[direction])
         self._started.add(direction)
         job = GpuJob(
             start=self._new_event(timing=True), end=self._new_event(timing=True), keep=[], path=path
         )
-        self._record(job.start, link)
+        self._record(job.start, self._lane_handles[direction][0])
         return job
 
-    def _end(self, direction: Direction, job: GpuJob, stream: int) -> GpuJob:
-        self._record(job.end, stream)
-        self._record(self._tail[direction], stream)
+    def _end(self, direction: Direction, job: GpuJob, last: int) -> GpuJob:
+        """Record the job's end on raw stream `last`, after the direction's other lane's work."""
+        for lane in self._lane_handles[direction]:
+            if lane != last:
+                self._record(self._joined[direction], lane)
+                self._wait(last, self._joined[direction])
+        self._record(job.end, last)
+        self._record(self._tail[direction], last)
         return job
 
     def _enqueue_staged(self, bound: BoundPlan) -> GpuJob:
-        """Queue a staged transfer, double-buffered; return its job."""
+        """Queue a staged transfer, batch k on lane k % 2; return its job."""
         direction = bound.plan.direction
-        link, work = (
-            self._stream_handle(self._link[direction]),
-            self._stream_handle(self._work[direction]),
-        )
+        lanes = self._lane_handles[direction]
         plan = self._planner.plan(bound)
         job = self._begin(direction, CopyPath.STAGED)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
-        table = np.concatenate((ids, plan.table.ravel()))
-        ids_address = self._upload(table, direction)
+        ids_address = self._upload(np.concatenate((ids, plan.table.ravel())), direction)
+        if len(plan) > 1:
+            self._wait(lanes[1], self._tables[direction].uploaded)
+        segments = ids_address + 8 * len(ids)
         line_bytes = plan.table.shape[1] * 8
         stages = [self._address(stage) for stage in self._stages(direction)]
-        done, released = self._done_event[direction], self._released[direction]
         store = direction is Direction.STORE
         host = self.host_tier.address
-        for k, batch in enumerate(plan.batches):
-            stage = stages[k % 2]
+        lines, link = plan.line_bounds, plan.link_bounds
+        src, dst, size = plan.link.src.tolist(), plan.link.dst.tolist(), plan.link.nbytes.tolist()
+        for k, items in enumerate(plan.items):
+            lane, stage = lanes[k % 2], stages[k % 2]
+            src_base, dst_base = (stage, host) if store else (host, stage)
             launch = {
-                "segments": ids_address + 8 * len(ids) + line_bytes * batch.first_line,
-                "count": len(batch.segments),
+                "segments": segments + line_bytes * lines[k],
+                "count": lines[k + 1] - lines[k],
                 "ids": ids_address,
                 "stage": stage,
                 "to_stage": store,
-                "blocks": max(1, min(-(-batch.items // WARPS), self._copy_blocks)),
+                "blocks": max(1, min(-(-items // WARPS), self._copy_blocks)),
             }
-            if store:
-                if k >= 2:
-                    self._wait(work, released[k % 2])
-                self._on_stream(work, launch)
-                self._record(done, work)
-                self._wait(link, done)
-                self._dma(batch, link, src_base=stage, dst_base=host)
-                self._record(released[k % 2], link)
-            else:
-                if k >= 2:
-                    self._wait(link, released[k % 2])
-                self._dma(batch, link, src_base=host, dst_base=stage)
-                self._record(done, link)
-                self._wait(work, done)
-                self._on_stream(work, launch)
-                self._record(released[k % 2], work)
-        return self._end(direction, job, link if store else work)
+            if store and launch["count"]:  # gather, then copy out
+                self._launch_stage_copy(lane, **launch)
+            for i in range(link[k], link[k + 1]):
+                self._memcpy(dst_base + dst[i], src_base + src[i], size[i], lane)
+            if not store and launch["count"]:  # copy in, then scatter
+                self._launch_stage_copy(lane, **launch)
+        return self._end(direction, job, lanes[(len(plan) - 1) % 2])
 
     def _upload(self, values: IdArray, direction: Direction) -> int:
-        """Copy `values` (int64) to the GPU on the direction's work stream; return their address.
+        """Copy `values` (int64) to the GPU on the direction's first lane; return their address.
 
         Each direction keeps one pinned and one device buffer, grown when a job needs more: the
-        device copy is free again because the job's streams wait for the previous job, and the
-        pinned one once its last upload has run (an event; in practice long done).
+        device copy is free again because the job's lanes wait for the previous job, and the
+        pinned one once its last upload has run (an event, `uploaded`; in practice long done).
         """
-        work = self._work[direction]
         buffers = self._tables.get(direction)
         if buffers is None or buffers.capacity < len(values):
             if buffers is not None:  # grow: wait until nothing reads the old buffers
-                self._synchronize(work)
-                self._synchronize(self._link[direction])
+                for lane in self._lanes[direction]:
+                    self._synchronize(lane)
                 self._destroy_event(buffers.uploaded)
             capacity = max(len(values), 1 << 16)
             host, view = self._allocate_pinned(capacity)
@@ -299,24 +303,11 @@ class StagedGpuExecutor(Executor):
         elif buffers.pending:
             self._synchronize_event(buffers.uploaded)
         buffers.view[: len(values)] = values
-        stream = self._stream_handle(work)
+        stream = self._lane_handles[direction][0]
         self._memcpy(buffers.address, int(buffers.view.ctypes.data), len(values) * 8, stream)
         self._record(buffers.uploaded, stream)
         buffers.pending = True
         return buffers.address
-
-    def _dma(self, batch: StageBatch, stream: int, *, src_base: int, dst_base: int) -> None:
-        """Queue the batch's link copies on `stream` (offsets plus the two base addresses)."""
-        dma = batch.dma
-        for src, dst, size in zip(
-            dma.src.tolist(), dma.dst.tolist(), dma.nbytes.tolist(), strict=True
-        ):
-            self._memcpy(dst_base + dst, src_base + src, size, stream)
-
-    def _on_stream(self, stream: int, launch: dict[str, Any]) -> None:
-        """Launch the staging kernel on `stream` when the batch has pages to copy."""
-        if launch["count"]:
-            self._launch_stage_copy(stream, **launch)
 
     def _done(self, handle: GpuJob) -> bool:
         return self._event_done(handle.end)
@@ -329,12 +320,12 @@ class StagedGpuExecutor(Executor):
             self._destroy_event(handle.end)
 
     def _release(self) -> None:
-        for stream in (*self._link.values(), *self._work.values()):
-            self._synchronize(stream)
+        for pair in self._lanes.values():
+            for stream in pair:
+                self._synchronize(stream)
         for event in (
-            *self._done_event.values(),
-            *(e for pair in self._released.values() for e in pair),
             *self._ready.values(),
+            *self._joined.values(),
             *self._tail.values(),
             *(buffers.uploaded for buffers in self._tables.values()),
         ):

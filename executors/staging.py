@@ -10,8 +10,6 @@ specification and its stand-in on machines without a GPU.
 
 from __future__ import annotations
 
-import itertools
-
 import attrs
 import numpy as np
 
@@ -67,12 +65,50 @@ class StageBatch:
 
 @attrs.frozen(kw_only=True, eq=False)
 class StagePlan:
-    """A job's batches and the one segment table they share (uploaded to the GPU once)."""
+    """A job's batches, as columns: one segment table and one list of link copies for the whole
+    job (uploaded or queued batch after batch), cut by per-batch bounds.
+
+    An executor reads the columns (one Python value per batch, no object per batch); `batches`
+    gives the same data one `StageBatch` at a time, for reading and tests.
+    """
 
     table: IdArray
     """Every batch's lines, batch after batch, `(n, len(SEGMENT_FIELDS))` int64."""
-    batches: tuple[StageBatch, ...]
-    """The trips through staging, in order."""
+    line_bounds: tuple[int, ...]
+    """Batch k's lines are `table[line_bounds[k]:line_bounds[k + 1]]`."""
+    link: CopyList
+    """Every batch's link copies, batch after batch, as offsets (see `StageBatch.dma`)."""
+    link_bounds: tuple[int, ...]
+    """Batch k's link copies are entries `link_bounds[k]` to `link_bounds[k + 1]` of `link`."""
+    stage_bytes: tuple[int, ...]
+    """Per batch: the staging bytes it uses."""
+    items: tuple[int, ...]
+    """Per batch: the pieces the copy kernel moves."""
+    nbytes: tuple[int, ...]
+    """Per batch: the bytes of the plan it moves."""
+
+    def __len__(self) -> int:
+        return len(self.stage_bytes)
+
+    @property
+    def batches(self) -> tuple[StageBatch, ...]:
+        """Return the trips through staging, in order, one object each."""
+        lines, link = self.line_bounds, self.link_bounds
+        return tuple(
+            StageBatch(
+                stage_bytes=self.stage_bytes[k],
+                dma=CopyList(
+                    src=self.link.src[link[k] : link[k + 1]],
+                    dst=self.link.dst[link[k] : link[k + 1]],
+                    nbytes=self.link.nbytes[link[k] : link[k + 1]],
+                ),
+                first_line=lines[k],
+                segments=self.table[lines[k] : lines[k + 1]],
+                items=self.items[k],
+                nbytes=self.nbytes[k],
+            )
+            for k in range(len(self))
+        )
 
 
 class StagePlanner:
@@ -103,14 +139,16 @@ class StagePlanner:
         self._layout = layout
         self._capacity = capacity
         self._ramp_bytes = min(ramp_bytes, capacity)
-        self._piece_bytes = piece_bytes
         self._tier_piece_bytes = tier_piece_bytes
         self._row_bytes = layout.row_bytes
         self._sizes = [layout.group_row_bytes(g) for g in range(layout.num_groups)]
-        self._dense = np.array(
-            [all(r.page_bytes == r.page_stride for r in g.refs) for g in layout.groups]
-        )
-        self._refs = []
+        self._dense = [all(r.page_bytes == r.page_stride for r in g.refs) for g in layout.groups]
+        # per group, its lines of a segment table before the per-slice columns are filled in;
+        # `first_item` holds the pieces per page of the group's refs before this one, so that
+        # a slice of p pages has its line's first item at (slice's first) + p * that
+        self._refs: list[IdArray] = []
+        self._page_pieces: list[int] = []
+        self._page_bytes: list[int] = []
         for g, group in enumerate(layout.groups):
             refs = np.zeros((len(group.refs), len(SEGMENT_FIELDS)), np.int64)
             refs[:, _FIELD["gpu_base"]] = [r.address for r in group.refs]
@@ -119,8 +157,11 @@ class StagePlanner:
             refs[:, _FIELD["stage_offset"]] = group.row_offsets(f)
             refs[:, _FIELD["row_pitch"]] = self._sizes[g]
             refs[:, _FIELD["slots"]] = f
+            pieces = -(-refs[:, _FIELD["page_bytes"]] // piece_bytes)
+            refs[:, _FIELD["first_item"]] = np.cumsum(pieces) - pieces
             self._refs.append(refs)
-        self._pieces = [-(-refs[:, _FIELD["page_bytes"]] // piece_bytes) for refs in self._refs]
+            self._page_pieces.append(int(pieces.sum()))
+            self._page_bytes.append(int(refs[:, _FIELD["page_bytes"]].sum()))
 
     def plan(self, bound: BoundPlan) -> StagePlan:
         """Return the batches of `bound`: runs of consecutive keys whose rows fit in staging.
@@ -136,28 +177,20 @@ class StagePlanner:
         """
         groups = self._groups(bound)
         slices = self._slices(groups)
-        table, pieces, nbytes, line_batch = self._segment_table(groups, slices)
+        table, line_bounds, items, nbytes = self._segment_table(groups, slices)
         rows = np.asarray(bound.cpu_rows, np.int64)
-        dma = self._link_copies(bound.plan.direction, groups, slices, rows)
-        line_bounds = np.searchsorted(line_batch, np.arange(len(slices.stage_bytes) + 1))
-        firsts = line_bounds[:-1]
-        items = np.add.reduceat(pieces, firsts).tolist() if len(pieces) else []
-        moved = np.add.reduceat(nbytes, firsts).tolist() if len(nbytes) else []
-        bounds = line_bounds.tolist()
+        link, link_bounds = self._link_copies(bound.plan.direction, groups, slices, rows)
         # built unchecked: every field comes from the arithmetic above, on a checked plan
-        batches = [
-            unchecked(
-                StageBatch,
-                stage_bytes=stage_bytes,
-                dma=dma[b],
-                first_line=bounds[b],
-                segments=table[bounds[b] : bounds[b + 1]],
-                items=items[b],
-                nbytes=moved[b],
-            )
-            for b, stage_bytes in enumerate(slices.stage_bytes)
-        ]
-        return StagePlan(table=table, batches=tuple(batches))
+        return unchecked(
+            StagePlan,
+            table=table,
+            line_bounds=line_bounds,
+            link=link,
+            link_bounds=link_bounds,
+            stage_bytes=tuple(slices.stage_bytes),
+            items=items,
+            nbytes=nbytes,
+        )
 
     def _groups(self, bound: BoundPlan) -> list[_Group]:
         """Return the groups the plan moves blocks of, with where their keys and ids start."""
@@ -181,6 +214,14 @@ class StagePlanner:
         staging bytes, so this is arithmetic per batch, not a pass over keys)."""
         total = sum(group.keys * group.size for group in groups)
         slices = _Slices()
+        # the columns' appends, bound once: this loop runs per batch on every submit
+        add_batch, add_group, add_first, add_count, add_stage = (
+            slices.batch.append,
+            slices.group.append,
+            slices.first.append,
+            slices.count.append,
+            slices.stage.append,
+        )
         gi, taken, done = 0, 0, 0  # group index, its keys already batched, bytes batched
         while gi < len(groups):
             left = total - done
@@ -196,7 +237,11 @@ class StagePlanner:
                     count = 1  # a row larger than the ramp still moves, alone
                 if count == 0:
                     break
-                slices.add(batch=batch, group=gi, first=taken, count=count, stage=used)
+                add_batch(batch)
+                add_group(gi)
+                add_first(taken)
+                add_count(count)
+                add_stage(used)
                 used += count * group.size
                 taken += count
                 if taken == group.keys:
@@ -207,51 +252,52 @@ class StagePlanner:
 
     def _segment_table(
         self, groups: list[_Group], slices: _Slices
-    ) -> tuple[IdArray, IdArray, IdArray, IdArray]:
-        """Return the job's segment table (one line per slice and ref, batch after batch), and per
-        line its kernel pieces, its bytes and its batch."""
+    ) -> tuple[IdArray, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Return the job's segment table (one line per slice and ref, batch after batch), the
+        bounds of each batch's lines, and per batch its kernel pieces and its bytes."""
         f = self._layout.blocks_per_chunk
-        parts, part_batch, part_order = [], [], []
-        slice_group = np.asarray(slices.group, np.int64)
-        for gi, group in enumerate(groups):
-            mine = np.flatnonzero(slice_group == gi)
-            if len(mine) == 0:
-                continue
-            k0 = np.asarray(slices.first, np.int64)[mine]
-            k1 = k0 + np.asarray(slices.count, np.int64)[mine]
-            lo = np.maximum(group.skip, k0 * f)
-            hi = np.minimum(group.skip + group.n, k1 * f)
-            refs = self._refs[group.g]
-            lines = np.repeat(refs[None, :, :], len(mine), axis=0)
-            lines[:, :, _FIELD["stage_offset"]] += np.asarray(slices.stage, np.int64)[mine, None]
-            lines[:, :, _FIELD["id_offset"]] = (group.id0 + lo - group.skip)[:, None]
-            lines[:, :, _FIELD["first_position"]] = (lo - k0 * f)[:, None]
-            lines[:, :, _FIELD["count"]] = (hi - lo)[:, None]
-            lines[:, :, _FIELD["first_item"]] = (hi - lo)[:, None] * self._pieces[group.g][None, :]
-            parts.append(lines.reshape(-1, len(SEGMENT_FIELDS)))
-            part_batch.append(np.repeat(np.asarray(slices.batch, np.int64)[mine], len(refs)))
-            part_order.append(np.repeat(mine, len(refs)))
-        if not parts:
-            empty = np.zeros(0, np.int64)
-            return np.zeros((0, len(SEGMENT_FIELDS)), np.int64), empty, empty, empty
-        if len(parts) == 1:  # one group: its slices are already in batch order
-            table, line_batch = parts[0], part_batch[0]
-        else:
-            order = np.argsort(np.concatenate(part_order), kind="stable")
-            table = np.concatenate(parts)[order]
-            line_batch = np.concatenate(part_batch)[order]
-        pieces = table[:, _FIELD["first_item"]].copy()
-        nbytes = table[:, _FIELD["count"]] * table[:, _FIELD["page_bytes"]]
-        running = np.cumsum(pieces) - pieces
-        batch_first = np.searchsorted(line_batch, line_batch)  # first line of each line's batch
-        table[:, _FIELD["first_item"]] = running - running[batch_first]
+        n_batches = len(slices.stage_bytes)
+        items, nbytes, line_ends = [0] * n_batches, [0] * n_batches, [0] * n_batches
+        # per slice: stage offset, then id_offset, first_position, count (the table's order),
+        # then the slice's first piece in its batch
+        columns: list[list[int]] = [[], [], [], [], []]
+        add_stage, add_id, add_position, add_count, add_first_item = (c.append for c in columns)
+        repeats, refs = [], []
+        lines = 0
+        for b, gi, first, keys, stage in zip(
+            slices.batch, slices.group, slices.first, slices.count, slices.stage, strict=True
+        ):
+            group = groups[gi]
+            lo = max(group.skip, first * f)
+            pages = min(group.skip + group.n, (first + keys) * f) - lo
+            add_stage(stage)
+            add_id(group.id0 + lo - group.skip)
+            add_position(lo - first * f)
+            add_count(pages)
+            add_first_item(items[b])
+            refs.append(self._refs[group.g])
+            repeats.append(len(refs[-1]))
+            lines += repeats[-1]
+            line_ends[b] = lines
+            items[b] += pages * self._page_pieces[group.g]
+            nbytes[b] += pages * self._page_bytes[group.g]
+        bounds = (0, *line_ends)
+        if not refs:
+            return np.zeros((0, len(SEGMENT_FIELDS)), np.int64), bounds, (), ()
+        table = np.concatenate(refs)
+        per_line = np.repeat(np.array(columns, np.int64), repeats, axis=1)
+        table[:, _FIELD["stage_offset"]] += per_line[0]
+        table[:, _FIELD["id_offset"] : _FIELD["count"] + 1] = per_line[1:4].T
+        table[:, _FIELD["first_item"]] *= per_line[3]
+        table[:, _FIELD["first_item"]] += per_line[4]
         table.setflags(write=False)
-        return table, pieces, nbytes, line_batch
+        return table, bounds, tuple(items), tuple(nbytes)
 
     def _link_copies(
         self, direction: Direction, groups: list[_Group], slices: _Slices, rows: IdArray
-    ) -> list[CopyList]:
-        """Return each batch's merged link copies, as (stage, tier) offsets.
+    ) -> tuple[CopyList, tuple[int, ...]]:
+        """Return the job's merged link copies, as (stage, tier) offsets batch after batch, and
+        the bounds of each batch's copies.
 
         A copy is a run of keys of one slice whose rows are consecutive (and, in the tier,
         adjacent: the group's chunk fills the row); a store's keys the plan does not fill, or
@@ -259,12 +305,16 @@ class StagePlanner:
         """
         n_batches = len(slices.stage_bytes)
         if not groups:
-            return [_NO_COPIES] * n_batches
+            return _NO_COPIES, (0,) * (n_batches + 1)
+        exact = self._exact_keys(direction, groups)
+        breaks = np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1
+        whole_rows = all(group.size == self._row_bytes for group in groups)
+        if not len(breaks) and not len(exact) and whole_rows:
+            return self._run_copies(direction, groups, slices, int(rows[0]))
         key0 = np.asarray([groups[gi].key0 for gi in slices.group], np.int64) + np.asarray(
             slices.first, np.int64
         )
-        exact = self._exact_keys(direction, groups)
-        starts = self._copy_starts(groups, key0, rows, exact)
+        starts = self._copy_starts(groups, key0, rows, breaks, exact)
         ends = np.append(starts[1:], len(rows))
         # each copy's slice: the last slice starting at or before its first key
         owner = np.searchsorted(key0, starts, side="right") - 1
@@ -289,10 +339,38 @@ class StagePlanner:
             stage, tier, size, batch = stage[order], tier[order], size[order], batch[order]
         src, dst = (stage, tier) if direction is Direction.STORE else (tier, stage)
         bounds = np.searchsorted(batch, np.arange(n_batches + 1)).tolist()
-        return [
-            unchecked(CopyList, src=src[a:b], dst=dst[a:b], nbytes=size[a:b])
-            for a, b in itertools.pairwise(bounds)
-        ]
+        return unchecked(CopyList, src=src, dst=dst, nbytes=size), tuple(bounds)
+
+    def _run_copies(
+        self, direction: Direction, groups: list[_Group], slices: _Slices, first_row: int
+    ) -> tuple[CopyList, tuple[int, ...]]:
+        """`_link_copies` where the rows are one consecutive run and every chunk fills its row
+        (a fresh tier's rows for whole chunks, the common job): one copy per slice, cut only at
+        the tier's registration boundaries, worked out in Python per slice."""
+        row_bytes = self._row_bytes
+        per_piece = self._tier_piece_bytes // row_bytes
+        stage, tier, size = [], [], []
+        bounds = [0] * (len(slices.stage_bytes) + 1)
+        for b, gi, first, keys, at in zip(
+            slices.batch, slices.group, slices.first, slices.count, slices.stage, strict=True
+        ):
+            start = first_row + groups[gi].key0 + first
+            row, end = start, start + keys
+            while row < end:
+                stop = min(end, (row // per_piece + 1) * per_piece) if per_piece else end
+                stage.append(at + (row - start) * row_bytes)
+                tier.append(row * row_bytes)
+                size.append((stop - row) * row_bytes)
+                row = stop
+            bounds[b + 1] = len(size)
+        src, dst = (stage, tier) if direction is Direction.STORE else (tier, stage)
+        copies = unchecked(
+            CopyList,
+            src=np.array(src, np.int64),
+            dst=np.array(dst, np.int64),
+            nbytes=np.array(size, np.int64),
+        )
+        return copies, tuple(bounds)
 
     def _exact_keys(self, direction: Direction, groups: list[_Group]) -> IdArray:
         """Return the keys a store must copy page by page: partial chunks, padded pages."""
@@ -311,12 +389,13 @@ class StagePlanner:
         return np.asarray(sorted(set(exact)), np.int64)
 
     def _copy_starts(
-        self, groups: list[_Group], key0: IdArray, rows: IdArray, exact: IdArray
+        self, groups: list[_Group], key0: IdArray, rows: IdArray, breaks: IdArray, exact: IdArray
     ) -> IdArray:
         """Return the keys where a link copy must start: a slice's first key, a break in the
         rows, every key of a group whose chunk is shorter than a row, a registration boundary
-        of the tier, and around the keys copied page by page."""
-        cuts = [key0, np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1]
+        of the tier, and around the keys copied page by page (`breaks`: the keys whose row
+        does not follow the previous key's)."""
+        cuts = [key0, breaks]
         if len(exact):
             cuts += [exact, exact + 1]
         for group in groups:
@@ -369,14 +448,6 @@ class _Slices:
     """Offset of the slice's first key in its batch's staging."""
     stage_bytes: list[int] = attrs.Factory(list)
     """Per batch: the staging bytes it uses."""
-
-    def add(self, *, batch: int, group: int, first: int, count: int, stage: int) -> None:
-        """Append one slice."""
-        self.batch.append(batch)
-        self.group.append(group)
-        self.first.append(first)
-        self.count.append(count)
-        self.stage.append(stage)
 
 
 _NO_COPIES = CopyList(src=np.zeros(0, np.int64), dst=np.zeros(0, np.int64), nbytes=np.zeros(0))

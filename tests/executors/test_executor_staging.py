@@ -25,7 +25,7 @@ from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList, check_bound, expand_pages
 from kvferry.core.plan import Direction, chunks_spanned
 from kvferry.executors.kernels import PIECE_BYTES
-from kvferry.executors.staging import StageBatch, StagePlanner, segment_copies
+from kvferry.executors.staging import SEGMENT_FIELDS, StageBatch, StagePlanner, segment_copies
 
 
 def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
@@ -226,6 +226,16 @@ def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
     batches = planner.plan(bound).batches
     assert sum(b.nbytes for b in batches) == check_bound(bound, layout)
     assert all(b.stage_bytes <= capacity_rows * layout.row_bytes for b in batches)
+    for batch in batches:  # the kernel numbers pieces line after line, from 0 in each batch
+        field = dict(zip(SEGMENT_FIELDS, batch.segments.T, strict=True))
+        pieces = field["count"] * -(-field["page_bytes"] // PIECE_BYTES)
+        np.testing.assert_array_equal(field["first_item"], np.cumsum(pieces) - pieces)
+        assert int(pieces.sum()) == batch.items
+    if piece_rows:  # no link copy crosses a registration boundary of the tier
+        piece = piece_rows * layout.row_bytes
+        for batch in batches:
+            tier_side = batch.dma.dst if direction is Direction.STORE else batch.dma.src
+            assert ((tier_side + batch.dma.nbytes - 1) // piece == tier_side // piece).all()
     stage = np.full(capacity_rows * layout.row_bytes, 0x77, dtype=np.uint8)
     stage_address, host = int(stage.ctypes.data), staged.executor.host_tier.address
     for batch in batches:
