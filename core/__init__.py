@@ -32,7 +32,7 @@ from kvferry.core.errors import (
 )
 from kvferry.core.eviction import EvictionPolicy, EvictionPolicyKind, make_policy
 from kvferry.core.expand import CopyList, PageCopies, copy_list, expand_pages
-from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.keys import KeyChain, KeyStatus, KeyStatusView, OffloadKey
 from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, describe_tensor
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
@@ -70,6 +70,7 @@ __all__ = [
     "InvalidInputError",
     "JobResult",
     "KVLayout",
+    "KeyChain",
     "KeyState",
     "KeyStatus",
     "KeyStatusView",

@@ -67,6 +67,53 @@ def unchecked(cls: type[T], **fields: Any) -> T:
     return instance
 
 
+def unchecked_maker(cls: type[T]) -> Callable[..., T]:
+    """Return a function that makes an instance of the frozen, slotted attrs class `cls` as
+    `unchecked(cls, **fields)` does, every field by keyword (a missing one is a TypeError).
+
+    The same contract as `unchecked`, for the hottest paths: the function is generated once,
+    as attrs generates `__init__`, and sets each slot directly (about half the time per call).
+    """
+    names = _field_names(cls)
+    lines = [f"def make(*, {', '.join(names)}):", "    self = new(cls)"]
+    lines += [f"    set_{name}(self, {name})" for name in names]
+    lines.append("    return self")
+    return _generated(cls, names, lines, "make")
+
+
+def unchecked_evolver(cls: type[T]) -> Callable[..., T]:
+    """Return a function `evolve(instance, **changes)` for the frozen, slotted attrs class
+    `cls` that does what `unchecked_evolve(instance, **changes)` does, generated once as
+    `unchecked_maker` is (fields not named in `changes` are copied from `instance`)."""
+    names = _field_names(cls)
+    lines = [f"def evolve(instance, *, {', '.join(f'{name}=keep' for name in names)}):"]
+    lines.append("    self = new(cls)")
+    lines += [
+        f"    set_{name}(self, get_{name}(instance) if {name} is keep else {name})"
+        for name in names
+    ]
+    lines.append("    return self")
+    return _generated(cls, names, lines, "evolve")
+
+
+def _field_names(cls: type[Any]) -> list[str]:
+    """Return the field names of the attrs class `cls`, in order."""
+    return [field.name for field in attrs.fields(cls)]
+
+
+def _generated(cls: type[T], names: list[str], lines: list[str], name: str) -> Callable[..., T]:
+    """Return the function `name` that `lines` define, with the slot setters and getters of
+    `cls`'s fields `names` (and `new`, `cls`, `keep`) in its namespace."""
+    namespace: dict[str, Any] = {"new": object.__new__, "cls": cls, "keep": object()}
+    for field_name in names:
+        slot = cls.__dict__[field_name]  # a slotted class holds one descriptor per field
+        namespace[f"set_{field_name}"] = slot.__set__
+        namespace[f"get_{field_name}"] = slot.__get__
+    exec("\n".join(lines), namespace)  # code built above from field names only
+    function: Callable[..., T] = namespace[name]
+    return function
+
+
 def unchecked_evolve(instance: T, **changes: Any) -> T:
     """Return a copy of the frozen attrs value `instance` with `changes`, as `unchecked` builds
     one: for a next state whose invariants the caller has just established."""

@@ -6,10 +6,12 @@ Pure: keys are derived from the engine's chained prefix hashes, never computed f
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol, final, overload
 
 from kvferry.core.config import OffloadConfig
+from kvferry.core.errors import InvalidInputError
 
 
 class OffloadKey(NamedTuple):
@@ -24,6 +26,104 @@ class OffloadKey(NamedTuple):
 
     def __str__(self) -> str:
         return f"g{self.group}:{self.block_hash.hex()}"
+
+
+@final
+class KeyChain(Sequence[OffloadKey]):
+    """One group's keys of one request, in chunk order: an immutable sequence that grows, by
+    `extended`, in time proportional to the keys added (not to those it already holds).
+
+    Chains made from one another share one append-only list; each sees only its first
+    `len(chain)` entries of it, and an entry, once written, never changes. Extending the
+    longest chain of a list appends to it in place; extending any shorter one (an older state
+    kept by the caller) copies its part first. A chain compares equal to another chain, or to
+    a tuple, with the same keys, and hashes like that tuple.
+    """
+
+    __slots__ = ("_keys", "_length")
+    _keys: list[OffloadKey]
+    _length: int
+
+    def __init__(self, keys: Iterable[OffloadKey] = ()) -> None:
+        """Make a chain of `keys`; raise InvalidInputError unless each is an OffloadKey."""
+        store = list(keys)
+        _check_keys(store)
+        object.__setattr__(self, "_keys", store)
+        object.__setattr__(self, "_length", len(store))
+
+    @classmethod
+    def _sharing(cls, store: list[OffloadKey], length: int) -> KeyChain:
+        """Return the chain of the first `length` keys of `store` (no copy, no check)."""
+        chain = object.__new__(cls)
+        object.__setattr__(chain, "_keys", store)
+        object.__setattr__(chain, "_length", length)
+        return chain
+
+    def extended(self, keys: Sequence[OffloadKey]) -> KeyChain:
+        """Return this chain followed by `keys` (this chain is unchanged); raise
+        InvalidInputError unless each of `keys` is an OffloadKey."""
+        added = list(keys)
+        _check_keys(added)
+        store, length = self._keys, self._length
+        end = length + len(added)
+        if len(store) == length:
+            store.extend(added)  # one step under the GIL; the check below settles any race
+            if store[length:end] == added:  # the entries past `length` are ours
+                return KeyChain._sharing(store, end)
+        return KeyChain._sharing(store[:length] + added, end)
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> OffloadKey: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[OffloadKey, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> OffloadKey | tuple[OffloadKey, ...]:
+        if isinstance(index, slice):
+            return tuple(self._keys[slice(*index.indices(self._length))])
+        position = index + self._length if index < 0 else index
+        if not 0 <= position < self._length:
+            raise IndexError(f"key index {index} out of range for {self._length} keys")
+        return self._keys[position]
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return itertools.islice(self._keys, self._length)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, KeyChain):
+            if other._length != self._length:
+                return False
+            if other._keys is self._keys:
+                return True
+            return self._keys[: self._length] == other._keys[: other._length]
+        if isinstance(other, tuple):
+            return len(other) == self._length and tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"KeyChain({list(self)!r})"
+
+    def __reduce__(self) -> tuple[type[KeyChain], tuple[tuple[OffloadKey, ...]]]:
+        return (KeyChain, (tuple(self),))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"KeyChain is immutable (cannot set {name!r})")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"KeyChain is immutable (cannot delete {name!r})")
+
+
+def _check_keys(keys: list[OffloadKey]) -> None:
+    """Raise InvalidInputError unless every entry of `keys` is an OffloadKey."""
+    for key in keys:
+        if type(key) is not OffloadKey and not isinstance(key, OffloadKey):
+            raise InvalidInputError(field="keys", expected="OffloadKey values", got=key)
 
 
 class KeyStatus(enum.IntEnum):

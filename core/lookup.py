@@ -5,7 +5,7 @@ Pure: the tier is consulted only through a read-only KeyStatusView; nothing is r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -41,7 +41,7 @@ RETRY = LookupResult(retry=True)
 class _GroupStatuses:
     """Statuses of one group's keys, fetched lazily from the view as one growing interval."""
 
-    def __init__(self, view: KeyStatusView, keys: tuple[OffloadKey, ...]) -> None:
+    def __init__(self, view: KeyStatusView, keys: Sequence[OffloadKey]) -> None:
         self._view = view
         self._keys = keys
         self._lo = self._hi = 0

@@ -5,14 +5,19 @@ Immutable: every planning function returns the next state instead of changing th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
-from kvferry.core.checks import check_count, unchecked_evolve
+from kvferry.core.checks import check_count, unchecked_evolver
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
-from kvferry.core.keys import OffloadKey, chunk_keys
+from kvferry.core.keys import KeyChain, OffloadKey, chunk_keys
+
+
+def _key_chains(value: Iterable[Iterable[OffloadKey]]) -> tuple[KeyChain, ...]:
+    """Return one KeyChain per group of `value` (chains are kept, other sequences copied)."""
+    return tuple(keys if isinstance(keys, KeyChain) else KeyChain(keys) for keys in value)
 
 
 @attrs.frozen(kw_only=True)
@@ -23,8 +28,9 @@ class RequestState:
     """The engine's request id (named in every error)."""
     num_prompt_tokens: int
     """Prompt length; with `store_decoded_tokens` off, nothing past it is stored."""
-    keys: tuple[tuple[OffloadKey, ...], ...]
-    """Per group, the keys of the request's complete chunks so far, in token order."""
+    keys: tuple[KeyChain, ...] = attrs.field(converter=_key_chains)
+    """Per group, the keys of the request's complete chunks so far, in token order (any
+    sequences of keys are taken; each becomes a KeyChain, which grows without copying)."""
     store_cursor: tuple[int, ...]
     """Per group, the first chunk not yet stored nor loaded (earlier ones are never stored)."""
     store_loaded: bool = False
@@ -60,6 +66,9 @@ class RequestState:
             )
 
 
+_with_changes = unchecked_evolver(RequestState)
+
+
 def new_request_state(
     config: OffloadConfig,
     request_id: str,
@@ -72,7 +81,7 @@ def new_request_state(
     empty = RequestState(
         request_id=request_id,
         num_prompt_tokens=num_prompt_tokens,
-        keys=tuple(() for _ in config.groups),
+        keys=tuple(KeyChain() for _ in config.groups),
         store_cursor=tuple(0 for _ in config.groups),
         store_loaded=store_loaded,
     )
@@ -99,15 +108,17 @@ def extend_keys(
             got=block_hashes,
         )
     num_hashes = len(block_hashes)
-    new_keys = list(state.keys)
-    grown = False
-    for group, known in enumerate(state.keys):
-        step = config.hashes_per_chunk(group)
-        if known:
-            last_hash_index = len(known) * step - 1
+    chains = state.keys
+    new_keys: list[KeyChain] | None = None
+    for group, chunk in enumerate(config.all_chunk_tokens):
+        step = chunk // config.hash_block_size  # `hashes_per_chunk(group)`, without two calls
+        known = chains[group]
+        count = len(known)
+        if count:
+            last_hash_index = count * step - 1
             if (
                 last_hash_index >= num_hashes
-                or block_hashes[last_hash_index] != known[-1].block_hash
+                or block_hashes[last_hash_index] != known[count - 1].block_hash
             ):
                 raise InvalidInputError(
                     request=state.request_id,
@@ -115,15 +126,15 @@ def extend_keys(
                     field="block_hashes",
                     expected=(
                         f"a list that extends the earlier one (hash {last_hash_index} "
-                        f"= {known[-1].block_hash.hex()})"
+                        f"= {known[count - 1].block_hash.hex()})"
                     ),
                     got=f"{num_hashes} hashes",
                 )
-        if (len(known) + 1) * step > num_hashes:
+        if (count + 1) * step > num_hashes:
             continue  # the next chunk is not complete yet (most decode steps)
-        added = chunk_keys(config, group, block_hashes, len(known))
+        added = chunk_keys(config, group, block_hashes, count)
         for key in added:
-            if not isinstance(key.block_hash, bytes):
+            if type(key.block_hash) is not bytes and not isinstance(key.block_hash, bytes):
                 raise InvalidInputError(
                     request=state.request_id,
                     group=group,
@@ -131,9 +142,10 @@ def extend_keys(
                     expected="bytes for every hash",
                     got=key.block_hash,
                 )
-        new_keys[group] = known + added
-        grown = True
-    if not grown:
+        if new_keys is None:
+            new_keys = list(chains)
+        new_keys[group] = known.extended(added)
+    if new_keys is None:
         return state
     # Key lists only grew, so every store cursor still lies within its list.
-    return unchecked_evolve(state, keys=tuple(new_keys))
+    return _with_changes(state, keys=tuple(new_keys))

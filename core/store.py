@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from kvferry.core.arrays import FlagArray, IdArray, is_integral
 from kvferry.core.blocks import GroupBlocks
-from kvferry.core.checks import check_count, unchecked, unchecked_evolve
+from kvferry.core.checks import check_count, unchecked_evolver, unchecked_maker
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
@@ -199,18 +199,17 @@ def due_for_store(
 
 
 def _candidate_chunks(
-    state: RequestState, group: int, blocks: GroupBlocks, end: int, f: int
+    request: str, group: int, blocks: GroupBlocks, cursor: int, end: int, *, f: int
 ) -> Sequence[int]:
-    """Return the complete chunks from the group's store cursor up to `end` (past the cursor)
-    whose blocks are all real; raise InvalidInputError when the blocks do not reach `end`."""
-    cursor = state.store_cursor[group]
-    if len(blocks) < end * f:
+    """Return the complete chunks from `cursor` up to `end` (past it) whose blocks are all
+    real; raise InvalidInputError when the blocks do not reach `end`."""
+    if len(blocks.ids) < end * f:
         raise InvalidInputError(
-            request=state.request_id,
+            request=request,
             group=group,
             field="blocks",
             expected=f"at least {end * f} blocks for {end} complete chunks",
-            got=len(blocks),
+            got=len(blocks.ids),
         )
     nulls = blocks.is_null[cursor * f : end * f]
     if 1 not in nulls.tobytes():  # no null block (a C scan; cheaper than numpy's any())
@@ -229,16 +228,11 @@ def _source_ids(blocks: GroupBlocks, chunks: Sequence[int], f: int) -> IdArray:
     return picked
 
 
-def _decision(
-    outcome: StoreOutcome,
-    plan: TransferPlan | None,
-    state: RequestState,
-    reserve_keys: tuple[OffloadKey, ...] = (),
-) -> StoreDecision:
-    """Return a StoreDecision that `plan_store` made (a plan exactly when storing), unchecked."""
-    return unchecked(
-        StoreDecision, outcome=outcome, plan=plan, state=state, reserve_keys=reserve_keys
-    )
+# Values `plan_store` builds from checked ones, every invariant holding by construction: made
+# without re-running the checks (`test_planner_built_values` keeps that safe).
+_new_decision = unchecked_maker(StoreDecision)
+_new_plan = unchecked_maker(TransferPlan)
+_with_changes = unchecked_evolver(RequestState)
 
 
 def plan_store(
@@ -274,47 +268,62 @@ def plan_store(
     )
     f = config.blocks_per_chunk
     cursors = state.store_cursor
+    chains = state.keys
     ends = list(cursors)
-    per_group: list[Sequence[int]] = []
+    per_group: list[tuple[int, Sequence[int]]] = []  # (group, its candidate chunks)
+    candidates: list[OffloadKey] = []
     for g, chunk in enumerate(config.all_chunk_tokens):
-        end = min(done // chunk, len(state.keys[g]))
-        if end > cursors[g]:
-            per_group.append(_candidate_chunks(state, g, blocks[g], end, f))
-            ends[g] = end
-        else:  # none completed, or a load moved the cursor past this step's chunk
-            per_group.append(())
+        cursor = cursors[g]
+        end = min(done // chunk, len(chains[g]))
+        if end <= cursor:  # none completed, or a load moved the cursor past this step's chunk
+            continue
+        ends[g] = end
+        chunks = _candidate_chunks(request, g, blocks[g], cursor, end, f=f)
+        if chunks:
+            per_group.append((g, chunks))
+            chain = chains[g]
+            candidates += (
+                chain[cursor:end] if isinstance(chunks, range) else [chain[j] for j in chunks]
+            )
     next_cursor = tuple(ends)
     if next_cursor == cursors:  # not due (`store_due` is False)
-        return _decision(StoreOutcome.NOTHING, None, state)
-    candidates = [state.keys[g][j] for g, chunks in enumerate(per_group) for j in chunks]
-    statuses = tier.statuses(candidates)
-    missing = {key for key, status in zip(candidates, statuses, strict=True) if status is _MISS}
+        return _new_decision(outcome=StoreOutcome.NOTHING, plan=None, state=state, reserve_keys=())
     # The cursors stay within the key lists (`end` is capped by them): no check needed.
-    moved = unchecked_evolve(state, store_cursor=next_cursor)
-    if not missing:
-        return _decision(StoreOutcome.NOTHING, None, moved)
+    moved = _with_changes(state, store_cursor=next_cursor)
+    statuses = tier.statuses(candidates)
+    if len(statuses) != len(candidates):
+        raise InvalidInputError(
+            request=request,
+            field="statuses",
+            expected=f"one status per key from the tier ({len(candidates)})",
+            got=len(statuses),
+        )
+    num_missing = statuses.count(_MISS)
+    if not num_missing:
+        return _new_decision(outcome=StoreOutcome.NOTHING, plan=None, state=moved, reserve_keys=())
     if not tier.can_reserve(candidates):
-        return _decision(StoreOutcome.NO_ROOM, None, state)
+        return _new_decision(outcome=StoreOutcome.NO_ROOM, plan=None, state=state, reserve_keys=())
 
-    all_missing = len(missing) == len(candidates)  # the common case: no key to skip
-    keys = candidates if all_missing else [key for key in candidates if key in missing]
+    keys: Sequence[OffloadKey] = candidates
+    new_per_group = per_group
+    if num_missing != len(candidates):  # some candidates are in the tier already: skip them
+        missing = {key for key, status in zip(candidates, statuses, strict=True) if status == _MISS}
+        keys = [key for key in candidates if key in missing]
+        new_per_group = [
+            (g, [j for j in chunks if chains[g][j] in missing]) for g, chunks in per_group
+        ]
     ids: list[IdArray] = []
-    sizes: list[int] = []
-    firsts: list[int] = []
-    for g, chunks in enumerate(per_group):
-        group_keys = state.keys[g]
-        new = chunks if all_missing else [j for j in chunks if group_keys[j] in missing]
+    sizes = [0] * len(cursors)
+    firsts = [0] * len(cursors)
+    for g, new in new_per_group:
         if new:
             ids.append(_source_ids(blocks[g], new, f))
-            firsts.append(new[0] * f)
-        else:
-            firsts.append(0)
-        sizes.append(len(new) * f)
+            firsts[g] = new[0] * f
+            sizes[g] = len(new) * f
     gpu_block_ids = np.concatenate(ids)
     gpu_block_ids.setflags(write=False)
     # Built from checked block lists and keys, chunk by chunk: every plan invariant holds.
-    plan = unchecked(
-        TransferPlan,
+    plan = _new_plan(
         request_id=request,
         direction=Direction.STORE,
         blocks_per_chunk=f,
@@ -323,4 +332,6 @@ def plan_store(
         group_sizes=tuple(sizes),
         block_indices=tuple(firsts),
     )
-    return _decision(StoreOutcome.STORE, plan, moved, tuple(candidates))
+    return _new_decision(
+        outcome=StoreOutcome.STORE, plan=plan, state=moved, reserve_keys=tuple(candidates)
+    )

@@ -18,7 +18,9 @@ from kvferry.core import (
     GroupBlocks,
     GroupKind,
     GroupSpec,
+    KeyChain,
     OffloadConfig,
+    OffloadKey,
     PlanInvariantError,
     RequestState,
     StoreDecision,
@@ -27,6 +29,7 @@ from kvferry.core import (
     new_request_state,
     plan_load,
 )
+from kvferry.core.checks import unchecked_evolver, unchecked_maker
 
 
 def _checked(value: object) -> object:
@@ -80,3 +83,31 @@ def test_a_load_into_a_repeated_block_is_still_refused() -> None:
         plan_load(config, state, [GroupBlocks.of([7, 9, 7])], num_computed_tokens=0, hit_tokens=12)
     error = info.value
     assert (error.request, error.group, error.field, error.got) == ("r1", 0, "gpu_block_ids", 7)
+
+
+def test_a_generated_unchecked_maker_builds_what_the_checked_constructor_builds() -> None:
+    make = unchecked_maker(RequestState)
+    fields = {
+        "request_id": "r1",
+        "num_prompt_tokens": 32,
+        "keys": (KeyChain([OffloadKey(0, b"\x01")]),),
+        "store_cursor": (1,),
+        "store_loaded": True,
+    }
+    assert make(**fields) == RequestState(**fields)
+
+
+def test_a_generated_unchecked_maker_needs_every_field() -> None:
+    make = unchecked_maker(RequestState)
+    with pytest.raises(TypeError, match="store_loaded"):
+        make(request_id="r1", num_prompt_tokens=32, keys=(KeyChain(),), store_cursor=(0,))
+
+
+def test_a_generated_unchecked_evolver_copies_the_fields_it_is_not_given() -> None:
+    evolve = unchecked_evolver(RequestState)
+    state = RequestState(
+        request_id="r1", num_prompt_tokens=32, keys=((OffloadKey(0, b"\x01"),),), store_cursor=(0,)
+    )
+    moved = evolve(state, store_cursor=(1,))
+    assert moved == attrs.evolve(state, store_cursor=(1,))
+    assert state.store_cursor == (0,)
