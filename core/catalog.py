@@ -7,6 +7,7 @@ reads no clock and draws no random number (recency is the order of operations).
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -191,7 +192,7 @@ class Catalog:
         `pinned_as_pending`, PENDING also for ready keys that a load is reading."""
         get = self._status.get
         if not pinned_as_pending or not self._pins:
-            return [get(key, _MISS) for key in keys]
+            return list(map(get, keys, itertools.repeat(_MISS)))  # no Python frame per key
         pins = self._pins
         return [_PENDING if key in pins else get(key, _MISS) for key in keys]
 

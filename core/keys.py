@@ -51,14 +51,6 @@ class KeyChain(Sequence[OffloadKey]):
         object.__setattr__(self, "_keys", store)
         object.__setattr__(self, "_length", len(store))
 
-    @classmethod
-    def _sharing(cls, store: list[OffloadKey], length: int) -> KeyChain:
-        """Return the chain of the first `length` keys of `store` (no copy, no check)."""
-        chain = object.__new__(cls)
-        object.__setattr__(chain, "_keys", store)
-        object.__setattr__(chain, "_length", length)
-        return chain
-
     def extended(self, keys: Sequence[OffloadKey]) -> KeyChain:
         """Return this chain followed by `keys` (this chain is unchanged); raise
         InvalidInputError unless each of `keys` is an OffloadKey."""
@@ -69,8 +61,8 @@ class KeyChain(Sequence[OffloadKey]):
         if len(store) == length:
             store.extend(added)  # one step under the GIL; the check below settles any race
             if store[length:end] == added:  # the entries past `length` are ours
-                return KeyChain._sharing(store, end)
-        return KeyChain._sharing(store[:length] + added, end)
+                return _sharing(store, end)
+        return _sharing(store[:length] + added, end)
 
     def __len__(self) -> int:
         return self._length
@@ -117,6 +109,19 @@ class KeyChain(Sequence[OffloadKey]):
 
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"KeyChain is immutable (cannot delete {name!r})")
+
+
+_new = object.__new__
+_set_keys = KeyChain.__dict__["_keys"].__set__  # the slots' own setters: no attribute lookup
+_set_length = KeyChain.__dict__["_length"].__set__
+
+
+def _sharing(store: list[OffloadKey], length: int) -> KeyChain:
+    """Return the chain of the first `length` keys of `store` (no copy, no check)."""
+    chain = _new(KeyChain)
+    _set_keys(chain, store)
+    _set_length(chain, length)
+    return chain
 
 
 def _check_keys(keys: list[OffloadKey]) -> None:
