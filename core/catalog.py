@@ -256,6 +256,8 @@ class Catalog:
     def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
         """Return True when every key of `keys` that is absent can get a row, evicting only
         ready, unpinned keys outside `keys` (what `reserve` would do; nothing changes)."""
+        if len(keys) <= self.free_rows:  # room even if every key is absent: no search
+            return True
         try:
             self._victims(keys)
         except _NoRoomError:

@@ -228,6 +228,31 @@ def _source_ids(blocks: GroupBlocks, chunks: Sequence[int], f: int) -> IdArray:
     return picked
 
 
+def _gpu_side(
+    blocks: Sequence[GroupBlocks],
+    per_group: Sequence[tuple[int, Sequence[int]]],
+    num_groups: int,
+    f: int,
+) -> tuple[IdArray, tuple[int, ...], tuple[int, ...]]:
+    """Return a store plan's GPU side for the chunks to store of each group listed in
+    `per_group` (ascending): the source block ids (read-only), `group_sizes`, `block_indices`."""
+    ids: list[IdArray] = []
+    sizes = [0] * num_groups
+    firsts = [0] * num_groups
+    for g, chunks in per_group:
+        if isinstance(chunks, range):  # consecutive chunks (the common case): one slice
+            ids.append(blocks[g].ids[chunks.start * f : chunks.stop * f])
+        elif chunks:
+            ids.append(_source_ids(blocks[g], chunks, f))
+        else:
+            continue
+        firsts[g] = chunks[0] * f
+        sizes[g] = len(chunks) * f
+    gpu_block_ids = np.concatenate(ids)
+    gpu_block_ids.setflags(write=False)
+    return gpu_block_ids, tuple(sizes), tuple(firsts)
+
+
 # Values `plan_store` builds from checked ones, every invariant holding by construction: made
 # without re-running the checks (`test_planner_built_values` keeps that safe).
 _new_decision = unchecked_maker(StoreDecision)
@@ -312,16 +337,7 @@ def plan_store(
         new_per_group = [
             (g, [j for j in chunks if chains[g][j] in missing]) for g, chunks in per_group
         ]
-    ids: list[IdArray] = []
-    sizes = [0] * len(cursors)
-    firsts = [0] * len(cursors)
-    for g, new in new_per_group:
-        if new:
-            ids.append(_source_ids(blocks[g], new, f))
-            firsts[g] = new[0] * f
-            sizes[g] = len(new) * f
-    gpu_block_ids = np.concatenate(ids)
-    gpu_block_ids.setflags(write=False)
+    gpu_block_ids, sizes, firsts = _gpu_side(blocks, new_per_group, len(cursors), f)
     # Built from checked block lists and keys, chunk by chunk: every plan invariant holds.
     plan = _new_plan(
         request_id=request,
@@ -329,8 +345,8 @@ def plan_store(
         blocks_per_chunk=f,
         keys=tuple(keys),
         gpu_block_ids=gpu_block_ids,
-        group_sizes=tuple(sizes),
-        block_indices=tuple(firsts),
+        group_sizes=sizes,
+        block_indices=firsts,
     )
     return _new_decision(
         outcome=StoreOutcome.STORE, plan=plan, state=moved, reserve_keys=tuple(candidates)
