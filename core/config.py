@@ -118,7 +118,7 @@ class OffloadConfig:
 
     def hashes_per_chunk(self, group: int) -> int:
         """Return how many hash blocks one chunk of `group` spans."""
-        return self.chunk_tokens(group) // self.hash_block_size
+        return self._chunk_tokens[group] // self.hash_block_size
 
     def window_chunks(self, group: int) -> int:
         """Return `W`, the chunks a windowed group needs at a boundary on its chunk grid.
