@@ -133,6 +133,7 @@ class StageCopyLauncher:
         self._function = function
         self._segments = ctypes.c_uint64()
         self._count = ctypes.c_int()
+        self._refs = ctypes.c_uint64()
         self._ids = ctypes.c_uint64()
         self._stage = ctypes.c_uint64()
         self._to_stage = ctypes.c_int()
@@ -140,6 +141,7 @@ class StageCopyLauncher:
         holders = (
             self._segments,
             self._count,
+            self._refs,
             self._ids,
             self._stage,
             self._to_stage,
@@ -154,15 +156,18 @@ class StageCopyLauncher:
         *,
         segments: int,
         count: int,
+        refs: int,
         ids: int,
         stage: int,
         to_stage: bool,
         blocks: int,
         stream: int,
     ) -> None:
-        """Launch over `count` segment lines at address `segments` (see the kernel source)."""
+        """Launch over `count` slice lines at address `segments`, with the ref table at `refs`
+        (see the kernel source)."""
         self._segments.value = segments
         self._count.value = count
+        self._refs.value = refs
         self._ids.value = ids
         self._stage.value = stage
         self._to_stage.value = int(to_stage)

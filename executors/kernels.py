@@ -6,7 +6,7 @@ The torch executor compiles them with `torch.cuda._compile_kernel`, the CuPy exe
 
 from __future__ import annotations
 
-from kvferry.executors.staging import SEGMENT_FIELDS
+from kvferry.executors.staging import REF_FIELDS, SLICE_FIELDS
 
 THREADS = 256
 """Threads per thread block of every kernel here."""
@@ -34,33 +34,44 @@ __device__ void warp_copy(unsigned long long src, unsigned long long dst, long l
 }
 
 extern "C" __global__ void kvferry_stage_copy(
-    const long long* __restrict__ seg, const int n_seg, const long long* __restrict__ ids,
-    unsigned char* stage, const int to_stage, const int piece) {
-    // seg: n_seg lines of WIDTH int64, columns named as in executors/staging.py. One warp per
-    // item (a piece of a page), grid stride.
-    const long long* last = seg + (long long)(n_seg - 1) * WIDTH;
+    const long long* __restrict__ seg, const int n_seg, const long long* __restrict__ refs,
+    const long long* __restrict__ ids, unsigned char* stage, const int to_stage, const int piece) {
+    // seg: n_seg slice lines of S_WIDTH int64; refs: the ref table, R_WIDTH int64 per line;
+    // columns named as in executors/staging.py. One warp per item (a piece of a page), grid
+    // stride; items run slice after slice, ref after ref, page after page.
+    const long long* last = seg + (long long)(n_seg - 1) * S_WIDTH;
+    const long long* last_ref = refs + (last[S_FIRST_REF] + last[S_REFS] - 1) * R_WIDTH;
     const long long total =
-        last[FIRST_ITEM] + last[COUNT] * ((last[PAGE_BYTES] + piece - 1) / piece);
+        last[S_FIRST_ITEM] + last[S_COUNT] * (last_ref[R_PIECE_PREFIX] + last_ref[R_PIECES]);
     const int lane = threadIdx.x & 31;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
     for (long long item = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total;
          item += warps) {
-        int lo = 0, hi = n_seg - 1;  // the last segment whose first item is <= item
+        int lo = 0, hi = n_seg - 1;  // the last slice whose first item is <= item
         while (lo < hi) {
             const int mid = (lo + hi + 1) >> 1;
-            if (seg[(long long)mid * WIDTH + FIRST_ITEM] <= item) lo = mid; else hi = mid - 1;
+            if (seg[(long long)mid * S_WIDTH + S_FIRST_ITEM] <= item) lo = mid; else hi = mid - 1;
         }
-        const long long* s = seg + (long long)lo * WIDTH;
-        const long long pieces = (s[PAGE_BYTES] + piece - 1) / piece;
-        const long long local = item - s[FIRST_ITEM];
-        const long long p = local / pieces;
-        const long long c = (local - p * pieces) * piece;
-        const long long q = s[FIRST_POSITION] + p;
-        const unsigned long long staged = (unsigned long long)stage + s[STAGE_OFFSET]
-            + (q / s[SLOTS]) * s[ROW_PITCH] + (q % s[SLOTS]) * s[PAGE_STRIDE] + c;
+        const long long* s = seg + (long long)lo * S_WIDTH;
+        const long long local = item - s[S_FIRST_ITEM];
+        const long long count = s[S_COUNT];
+        long long first = s[S_FIRST_REF], end = first + s[S_REFS] - 1;
+        while (first < end) {  // the slice's last ref whose first item is <= local
+            const long long mid = (first + end + 1) >> 1;
+            if (count * refs[mid * R_WIDTH + R_PIECE_PREFIX] <= local) first = mid;
+            else end = mid - 1;
+        }
+        const long long* r = refs + first * R_WIDTH;
+        const long long within = local - count * r[R_PIECE_PREFIX];
+        const long long p = within / r[R_PIECES];
+        const long long c = (within - p * r[R_PIECES]) * piece;
+        const long long q = s[S_FIRST_POSITION] + p;
+        const unsigned long long staged = (unsigned long long)stage + s[S_STAGE_OFFSET]
+            + r[R_ROW_OFFSET] + (q / r[R_SLOTS]) * r[R_ROW_PITCH]
+            + (q % r[R_SLOTS]) * r[R_PAGE_STRIDE] + c;
         const unsigned long long paged =
-            (unsigned long long)s[GPU_BASE] + ids[s[ID_OFFSET] + p] * s[PAGE_STRIDE] + c;
-        const long long m = (s[PAGE_BYTES] - c < piece) ? s[PAGE_BYTES] - c : piece;
+            (unsigned long long)r[R_GPU_BASE] + ids[s[S_ID_OFFSET] + p] * r[R_PAGE_STRIDE] + c;
+        const long long m = (r[R_PAGE_BYTES] - c < piece) ? r[R_PAGE_BYTES] - c : piece;
         const unsigned long long src = to_stage ? paged : staged;
         const unsigned long long dst = to_stage ? staged : paged;
         const unsigned long long all = src | dst | (unsigned long long)m;
@@ -72,13 +83,15 @@ extern "C" __global__ void kvferry_stage_copy(
 """
 
 STAGE_COPY_SOURCE = (
-    "".join(f"#define {name.upper()} {i}\n" for i, name in enumerate(SEGMENT_FIELDS))
-    + f"#define WIDTH {len(SEGMENT_FIELDS)}\n"
+    "".join(f"#define S_{name.upper()} {i}\n" for i, name in enumerate(SLICE_FIELDS))
+    + f"#define S_WIDTH {len(SLICE_FIELDS)}\n"
+    + "".join(f"#define R_{name.upper()} {i}\n" for i, name in enumerate(REF_FIELDS))
+    + f"#define R_WIDTH {len(REF_FIELDS)}\n"
     + _STAGE_COPY_BODY
 )
 """Copies the pages of one staged batch between the KV tensors and the staging buffer:
 `to_stage` 1 gathers (store), 0 scatters (load). One warp per piece of a page, grid stride; the
-page addresses come from the segment table and the block ids, never from the host."""
+page addresses come from the slice table, the ref table and the block ids, never from the host."""
 
 ZERO_COPY_NAME = "kvferry_copy"
 

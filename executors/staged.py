@@ -1,13 +1,13 @@
 """The staged copy path both GPU executors share: batches through a double-buffered staging buffer.
 
 A store gathers a batch's pages into staging with one kernel launch (the page addresses are
-computed on the GPU from a small segment table), then copies the staging to the tier in one DMA
-per contiguous range of rows; a load does the reverse. Each direction has two *lanes*, each a
-stream that owns one staging half: batch k runs its kernel and its DMA on lane k % 2, so stream
-order alone keeps a half from being reused too early, and the kernel of one batch overlaps the
-DMA of the previous one on the other lane. A batch costs two host calls (a launch and a DMA) and
-no event. A backend supplies its library's streams, memory and compiled kernel; the per-batch
-calls go through the CUDA driver.
+computed on the GPU from a few lines of a slice table and the layout's ref table), then copies
+the staging to the tier in one DMA per contiguous range of rows; a load does the reverse. Each
+direction has two *lanes*, each a stream that owns one staging half: batch k runs its kernel and
+its DMA on lane k % 2, so stream order alone keeps a half from being reused too early, and the
+kernel of one batch overlaps the DMA of the previous one on the other lane. A batch costs two
+host calls (a launch and a DMA) and no event. A backend supplies its library's streams, memory
+and compiled kernel; the per-batch calls go through the CUDA driver.
 """
 
 from __future__ import annotations
@@ -186,19 +186,21 @@ class StagedGpuExecutor(Executor):
         *,
         segments: int,
         count: int,
+        refs: int,
         ids: int,
         stage: int,
         to_stage: bool,
         blocks: int,
     ) -> None:
-        """Launch `kernels.STAGE_COPY_SOURCE` on raw stream `stream` over the `count` segment
-        lines at address `segments`, with the block ids at `ids` and the staging half at
-        `stage`."""
+        """Launch `kernels.STAGE_COPY_SOURCE` on raw stream `stream` over the `count` slice
+        lines at address `segments`, with the ref table at `refs`, the block ids at `ids` and
+        the staging half at `stage`."""
         if self._launcher is None:
             self._launcher = StageCopyLauncher(self._cuda(), self._stage_function())
         self._launcher(
             segments=segments,
             count=count,
+            refs=refs,
             ids=ids,
             stage=stage,
             to_stage=to_stage,
@@ -246,22 +248,24 @@ class StagedGpuExecutor(Executor):
         plan = self._planner.plan(bound)
         job = self._begin(direction, CopyPath.STAGED)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
-        ids_address = self._upload(np.concatenate((ids, plan.table.ravel())), direction)
+        refs = self._upload(ids, plan.table, direction)
         if len(plan) > 1:
             self._wait(lanes[1], self._tables[direction].uploaded)
+        ids_address = refs + self._planner.ref_table.nbytes
         segments = ids_address + 8 * len(ids)
         line_bytes = plan.table.shape[1] * 8
         stages = [self._address(stage) for stage in self._stages(direction)]
         store = direction is Direction.STORE
         host = self.host_tier.address
         lines, link = plan.line_bounds, plan.link_bounds
-        src, dst, size = plan.link.src.tolist(), plan.link.dst.tolist(), plan.link.nbytes.tolist()
+        src, dst, size = plan.link_src, plan.link_dst, plan.link_size
         for k, items in enumerate(plan.items):
             lane, stage = lanes[k % 2], stages[k % 2]
             src_base, dst_base = (stage, host) if store else (host, stage)
             launch = {
                 "segments": segments + line_bytes * lines[k],
                 "count": lines[k + 1] - lines[k],
+                "refs": refs,
                 "ids": ids_address,
                 "stage": stage,
                 "to_stage": store,
@@ -275,25 +279,31 @@ class StagedGpuExecutor(Executor):
                 self._launch_stage_copy(lane, **launch)
         return self._end(direction, job, lanes[(len(plan) - 1) % 2])
 
-    def _upload(self, values: IdArray, direction: Direction) -> int:
-        """Copy `values` (int64) to the GPU on the direction's first lane; return their address.
+    def _upload(self, ids: IdArray, table: IdArray, direction: Direction) -> int:
+        """Copy the ref table, `ids` and the slice `table` (int64), one after the other, to the
+        GPU on the direction's first lane; return the address of the first.
 
-        Each direction keeps one pinned and one device buffer, grown when a job needs more: the
-        device copy is free again because the job's lanes wait for the previous job, and the
-        pinned one once its last upload has run (an event, `uploaded`; in practice long done).
+        Each direction keeps one pinned and one device buffer, grown when a job needs more; the
+        ref table stays at the start of the pinned one. The device copy is free again because
+        the job's lanes wait for the previous job, and the pinned one once its last upload has
+        run (an event, `uploaded`; in practice long done).
         """
+        refs = self._planner.ref_table.ravel()
+        end = len(refs) + len(ids) + table.size
         buffers = self._tables.get(direction)
-        if buffers is None or buffers.capacity < len(values):
+        if buffers is None or buffers.capacity < end:
             if buffers is not None:  # grow: wait until nothing reads the old buffers
                 for lane in self._lanes[direction]:
                     self._synchronize(lane)
                 self._destroy_event(buffers.uploaded)
-            capacity = max(len(values), 1 << 16)
+            capacity = max(end, 1 << 16)
             host, view = self._allocate_pinned(capacity)
+            view[: len(refs)] = refs
             device = self._allocate(capacity * 8)
             buffers = _TableBuffers(
                 host=host,
                 view=view,
+                view_address=int(view.ctypes.data),
                 device=device,
                 address=self._address(device),
                 capacity=capacity,
@@ -302,9 +312,10 @@ class StagedGpuExecutor(Executor):
             self._tables[direction] = buffers
         elif buffers.pending:
             self._synchronize_event(buffers.uploaded)
-        buffers.view[: len(values)] = values
+        buffers.view[len(refs) : len(refs) + len(ids)] = ids
+        buffers.view[len(refs) + len(ids) : end] = table.ravel()
         stream = self._lane_handles[direction][0]
-        self._memcpy(buffers.address, int(buffers.view.ctypes.data), len(values) * 8, stream)
+        self._memcpy(buffers.address, buffers.view_address, end * 8, stream)
         self._record(buffers.uploaded, stream)
         buffers.pending = True
         return buffers.address
@@ -336,12 +347,14 @@ class StagedGpuExecutor(Executor):
 
 @attrs.define(kw_only=True)
 class _TableBuffers:
-    """One direction's upload buffers for block ids and segment tables."""
+    """One direction's upload buffers: the ref table, then a job's block ids and slice table."""
 
     host: Any
     """Owner of the pinned host buffer."""
     view: IdArray
     """The pinned buffer as numpy."""
+    view_address: int
+    """Its address."""
     device: Any
     """Owner of the GPU buffer."""
     address: int

@@ -1,14 +1,17 @@
 """Splitting a transfer into batches that pass through a bounded GPU staging buffer.
 
-numpy only, and O(keys + refs) per job: it never lists a page. A batch is a run of consecutive
-keys whose CPU rows fit in the buffer, laid out there exactly as in the tier, so its link copies
-are one DMA per contiguous range of rows. The on-GPU side of a batch is a small *segment table*
-(one line per group and ref) from which the copy kernel (`kernels.STAGE_COPY_SOURCE`) computes
-every page address itself; `segment_copies` is the same arithmetic in numpy, the kernel's
-specification and its stand-in on machines without a GPU.
+numpy only, and O(keys) per job in one pass; the rest is arithmetic per batch: it never lists
+a page. A batch is a run of consecutive keys whose CPU rows fit in the buffer, laid out there
+exactly as in the tier, so its link copies are one DMA per contiguous range of rows. The on-GPU
+side of a batch is a few lines of a *slice table* (one line per group in the batch), read with
+the layout's *ref table* (one line per ref, built once): from the two the copy kernel
+(`kernels.STAGE_COPY_SOURCE`) computes every page address itself. `segment_copies` is the same
+arithmetic in numpy, the kernel's specification and its stand-in on machines without a GPU.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import attrs
 import numpy as np
@@ -21,27 +24,44 @@ from kvferry.core.expand import CopyList
 from kvferry.core.layout import KVLayout
 from kvferry.core.plan import Direction, chunks_spanned
 
-SEGMENT_FIELDS = (
+REF_FIELDS = (
     "gpu_base",
     "page_stride",
     "page_bytes",
-    "stage_offset",
+    "row_offset",
     "row_pitch",
     "slots",
+    "piece_prefix",
+    "pieces",
+)
+"""Columns of the ref table, in order (int64 each), one line per ref of every group, group
+after group. A page of the ref with GPU id `i` lies at `gpu_base + i * page_stride`; in a CPU
+row (and so in staging) the ref's `slots` (F) pages start `row_offset` bytes in, `page_stride`
+apart, and a group's rows are `row_pitch` bytes. The kernel cuts a page into `pieces` pieces of
+at most `piece_bytes`; `piece_prefix` is the pieces per page of the group's refs before this one."""
+
+SLICE_FIELDS = (
+    "first_ref",
+    "refs",
+    "stage_offset",
     "id_offset",
     "first_position",
     "count",
     "first_item",
 )
-"""Columns of a segment table, in order (int64 each). A segment is one ref of one group in one
-batch: its `count` pages are positions `first_position + p` (p < count) of rows `row_pitch` bytes
-apart in the staging buffer, `slots` (F) pages per ref and row; page p has GPU id
-`ids[id_offset + p]`, so it lies at `gpu_base + id * page_stride` on the GPU and at
-`stage_offset + (q // slots) * row_pitch + (q % slots) * page_stride` in the staging buffer
-(`q = first_position + p`). The kernel cuts each page into pieces of at most `piece_bytes` and
-numbers the pieces of all segments one after another; `first_item` is the segment's first."""
+"""Columns of a slice table, in order (int64 each). A slice is the keys of one group in one
+batch: refs `first_ref .. first_ref + refs - 1` of the ref table, and `count` pages per ref, at
+positions `q = first_position + p` (p < count) of the group's rows laid one after another from
+`stage_offset` in staging; page p has GPU id `ids[id_offset + p]`. So ref r's page p lies at
+`stage_offset + row_offset + (q // slots) * row_pitch + (q % slots) * page_stride` in staging.
+The kernel numbers the pieces of a batch one after another, slice after slice, ref after ref,
+page after page; `first_item` is the slice's first."""
 
-_FIELD = {name: i for i, name in enumerate(SEGMENT_FIELDS)}
+_REF = {name: i for i, name in enumerate(REF_FIELDS)}
+_SLICE = {name: i for i, name in enumerate(SLICE_FIELDS)}
+
+_Columns = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""Link copies as three columns: sources, destinations, bytes."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -53,10 +73,12 @@ class StageBatch:
     dma: CopyList
     """Link copies as offsets: a store copies stage -> tier, a load tier -> stage (merged)."""
     first_line: int
-    """Index of the batch's first line in the job's segment table."""
+    """Index of the batch's first line in the job's slice table."""
     segments: IdArray
-    """The batch's lines of the segment table, `(n, len(SEGMENT_FIELDS))` int64 (a view); their
+    """The batch's lines of the slice table, `(n, len(SLICE_FIELDS))` int64 (a view); their
     `first_item` counts from 0 in each batch."""
+    refs: IdArray
+    """The layout's ref table, which the slice lines point into."""
     items: int
     """Pieces the copy kernel moves for this batch (the sum over segments of pages x pieces)."""
     nbytes: int
@@ -65,7 +87,7 @@ class StageBatch:
 
 @attrs.frozen(kw_only=True, eq=False)
 class StagePlan:
-    """A job's batches, as columns: one segment table and one list of link copies for the whole
+    """A job's batches, as columns: one slice table and one list of link copies for the whole
     job (uploaded or queued batch after batch), cut by per-batch bounds.
 
     An executor reads the columns (one Python value per batch, no object per batch); `batches`
@@ -73,13 +95,20 @@ class StagePlan:
     """
 
     table: IdArray
-    """Every batch's lines, batch after batch, `(n, len(SEGMENT_FIELDS))` int64."""
+    """Every batch's slice lines, batch after batch, `(n, len(SLICE_FIELDS))` int64."""
+    refs: IdArray
+    """The layout's ref table (`REF_FIELDS`), which the slice lines point into."""
     line_bounds: tuple[int, ...]
     """Batch k's lines are `table[line_bounds[k]:line_bounds[k + 1]]`."""
-    link: CopyList
-    """Every batch's link copies, batch after batch, as offsets (see `StageBatch.dma`)."""
+    link_src: tuple[int, ...]
+    """Every batch's link copies, batch after batch, as offsets (see `StageBatch.dma`): their
+    sources, ..."""
+    link_dst: tuple[int, ...]
+    """... destinations ..."""
+    link_size: tuple[int, ...]
+    """... and bytes (Python integers: the executor queues them one by one)."""
     link_bounds: tuple[int, ...]
-    """Batch k's link copies are entries `link_bounds[k]` to `link_bounds[k + 1]` of `link`."""
+    """Batch k's link copies are entries `link_bounds[k]` to `link_bounds[k + 1]`."""
     stage_bytes: tuple[int, ...]
     """Per batch: the staging bytes it uses."""
     items: tuple[int, ...]
@@ -98,12 +127,13 @@ class StagePlan:
             StageBatch(
                 stage_bytes=self.stage_bytes[k],
                 dma=CopyList(
-                    src=self.link.src[link[k] : link[k + 1]],
-                    dst=self.link.dst[link[k] : link[k + 1]],
-                    nbytes=self.link.nbytes[link[k] : link[k + 1]],
+                    src=self.link_src[link[k] : link[k + 1]],
+                    dst=self.link_dst[link[k] : link[k + 1]],
+                    nbytes=self.link_size[link[k] : link[k + 1]],
                 ),
                 first_line=lines[k],
                 segments=self.table[lines[k] : lines[k + 1]],
+                refs=self.refs,
                 items=self.items[k],
                 nbytes=self.nbytes[k],
             )
@@ -143,25 +173,34 @@ class StagePlanner:
         self._row_bytes = layout.row_bytes
         self._sizes = [layout.group_row_bytes(g) for g in range(layout.num_groups)]
         self._dense = [all(r.page_bytes == r.page_stride for r in g.refs) for g in layout.groups]
-        # per group, its lines of a segment table before the per-slice columns are filled in;
-        # `first_item` holds the pieces per page of the group's refs before this one, so that
-        # a slice of p pages has its line's first item at (slice's first) + p * that
-        self._refs: list[IdArray] = []
+        lines: list[tuple[int, ...]] = []
+        self._first_ref: list[int] = []
         self._page_pieces: list[int] = []
         self._page_bytes: list[int] = []
         for g, group in enumerate(layout.groups):
-            refs = np.zeros((len(group.refs), len(SEGMENT_FIELDS)), np.int64)
-            refs[:, _FIELD["gpu_base"]] = [r.address for r in group.refs]
-            refs[:, _FIELD["page_stride"]] = [r.page_stride for r in group.refs]
-            refs[:, _FIELD["page_bytes"]] = [r.page_bytes for r in group.refs]
-            refs[:, _FIELD["stage_offset"]] = group.row_offsets(f)
-            refs[:, _FIELD["row_pitch"]] = self._sizes[g]
-            refs[:, _FIELD["slots"]] = f
-            pieces = -(-refs[:, _FIELD["page_bytes"]] // piece_bytes)
-            refs[:, _FIELD["first_item"]] = np.cumsum(pieces) - pieces
-            self._refs.append(refs)
-            self._page_pieces.append(int(pieces.sum()))
-            self._page_bytes.append(int(refs[:, _FIELD["page_bytes"]].sum()))
+            self._first_ref.append(len(lines))
+            prefix = 0
+            for ref, offset in zip(group.refs, group.row_offsets(f), strict=True):
+                pieces = -(-ref.page_bytes // piece_bytes)
+                lines.append(
+                    (
+                        ref.address,
+                        ref.page_stride,
+                        ref.page_bytes,
+                        offset,
+                        self._sizes[g],
+                        f,
+                        prefix,
+                        pieces,
+                    )
+                )
+                prefix += pieces
+            self._page_pieces.append(prefix)
+            self._page_bytes.append(group.block_copy_bytes)
+        self._ref_counts = [len(group.refs) for group in layout.groups]
+        self.ref_table: IdArray = np.array(lines, np.int64).reshape(-1, len(REF_FIELDS))
+        """The layout's ref table (`REF_FIELDS`), the same for every job."""
+        self.ref_table.setflags(write=False)
 
     def plan(self, bound: BoundPlan) -> StagePlan:
         """Return the batches of `bound`: runs of consecutive keys whose rows fit in staging.
@@ -177,15 +216,20 @@ class StagePlanner:
         """
         groups = self._groups(bound)
         slices = self._slices(groups)
-        table, line_bounds, items, nbytes = self._segment_table(groups, slices)
+        table, line_bounds, items, nbytes = self._slice_table(groups, slices)
         rows = np.asarray(bound.cpu_rows, np.int64)
-        link, link_bounds = self._link_copies(bound.plan.direction, groups, slices, rows)
+        (src, dst, size), link_bounds = self._link_copies(
+            bound.plan.direction, groups, slices, rows
+        )
         # built unchecked: every field comes from the arithmetic above, on a checked plan
         return unchecked(
             StagePlan,
             table=table,
+            refs=self.ref_table,
             line_bounds=line_bounds,
-            link=link,
+            link_src=src,
+            link_dst=dst,
+            link_size=size,
             link_bounds=link_bounds,
             stage_bytes=tuple(slices.stage_bytes),
             items=items,
@@ -250,54 +294,41 @@ class StagePlanner:
             done += used
         return slices
 
-    def _segment_table(
+    def _slice_table(
         self, groups: list[_Group], slices: _Slices
     ) -> tuple[IdArray, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """Return the job's segment table (one line per slice and ref, batch after batch), the
-        bounds of each batch's lines, and per batch its kernel pieces and its bytes."""
+        """Return the job's slice table (batch after batch), the bounds of each batch's lines,
+        and per batch its kernel pieces and its bytes: Python per slice, one array at the end."""
         f = self._layout.blocks_per_chunk
         n_batches = len(slices.stage_bytes)
-        items, nbytes, line_ends = [0] * n_batches, [0] * n_batches, [0] * n_batches
-        # per slice: stage offset, then id_offset, first_position, count (the table's order),
-        # then the slice's first piece in its batch
-        columns: list[list[int]] = [[], [], [], [], []]
-        add_stage, add_id, add_position, add_count, add_first_item = (c.append for c in columns)
-        repeats, refs = [], []
-        lines = 0
+        items, nbytes = [0] * n_batches, [0] * n_batches
+        lines: list[int] = []
         for b, gi, first, keys, stage in zip(
             slices.batch, slices.group, slices.first, slices.count, slices.stage, strict=True
         ):
             group = groups[gi]
             lo = max(group.skip, first * f)
             pages = min(group.skip + group.n, (first + keys) * f) - lo
-            add_stage(stage)
-            add_id(group.id0 + lo - group.skip)
-            add_position(lo - first * f)
-            add_count(pages)
-            add_first_item(items[b])
-            refs.append(self._refs[group.g])
-            repeats.append(len(refs[-1]))
-            lines += repeats[-1]
-            line_ends[b] = lines
+            lines += (
+                self._first_ref[group.g],
+                self._ref_counts[group.g],
+                stage,
+                group.id0 + lo - group.skip,
+                lo - first * f,
+                pages,
+                items[b],
+            )
             items[b] += pages * self._page_pieces[group.g]
             nbytes[b] += pages * self._page_bytes[group.g]
-        bounds = (0, *line_ends)
-        if not refs:
-            return np.zeros((0, len(SEGMENT_FIELDS)), np.int64), bounds, (), ()
-        table = np.concatenate(refs)
-        per_line = np.repeat(np.array(columns, np.int64), repeats, axis=1)
-        table[:, _FIELD["stage_offset"]] += per_line[0]
-        table[:, _FIELD["id_offset"] : _FIELD["count"] + 1] = per_line[1:4].T
-        table[:, _FIELD["first_item"]] *= per_line[3]
-        table[:, _FIELD["first_item"]] += per_line[4]
+        table = np.array(lines, np.int64).reshape(-1, len(SLICE_FIELDS))
         table.setflags(write=False)
-        return table, bounds, tuple(items), tuple(nbytes)
+        return table, tuple(_bounds(slices.batch, n_batches)), tuple(items), tuple(nbytes)
 
     def _link_copies(
         self, direction: Direction, groups: list[_Group], slices: _Slices, rows: IdArray
-    ) -> tuple[CopyList, tuple[int, ...]]:
-        """Return the job's merged link copies, as (stage, tier) offsets batch after batch, and
-        the bounds of each batch's copies.
+    ) -> tuple[_Columns, tuple[int, ...]]:
+        """Return the job's merged link copies, as (src, dst, size) offsets batch after batch
+        (stage -> tier for a store, tier -> stage for a load), and the bounds of each batch's.
 
         A copy is a run of keys of one slice whose rows are consecutive (and, in the tier,
         adjacent: the group's chunk fills the row); a store's keys the plan does not fill, or
@@ -305,9 +336,9 @@ class StagePlanner:
         """
         n_batches = len(slices.stage_bytes)
         if not groups:
-            return _NO_COPIES, (0,) * (n_batches + 1)
+            return ((), (), ()), (0,) * (n_batches + 1)
         exact = self._exact_keys(direction, groups)
-        breaks = np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         whole_rows = all(group.size == self._row_bytes for group in groups)
         if not len(breaks) and not len(exact) and whole_rows:
             return self._run_copies(direction, groups, slices, int(rows[0]))
@@ -339,11 +370,12 @@ class StagePlanner:
             stage, tier, size, batch = stage[order], tier[order], size[order], batch[order]
         src, dst = (stage, tier) if direction is Direction.STORE else (tier, stage)
         bounds = np.searchsorted(batch, np.arange(n_batches + 1)).tolist()
-        return unchecked(CopyList, src=src, dst=dst, nbytes=size), tuple(bounds)
+        columns = (tuple(src.tolist()), tuple(dst.tolist()), tuple(size.tolist()))
+        return columns, tuple(bounds)
 
     def _run_copies(
         self, direction: Direction, groups: list[_Group], slices: _Slices, first_row: int
-    ) -> tuple[CopyList, tuple[int, ...]]:
+    ) -> tuple[_Columns, tuple[int, ...]]:
         """`_link_copies` where the rows are one consecutive run and every chunk fills its row
         (a fresh tier's rows for whole chunks, the common job): one copy per slice, cut only at
         the tier's registration boundaries, worked out in Python per slice."""
@@ -364,13 +396,7 @@ class StagePlanner:
                 row = stop
             bounds[b + 1] = len(size)
         src, dst = (stage, tier) if direction is Direction.STORE else (tier, stage)
-        copies = unchecked(
-            CopyList,
-            src=np.array(src, np.int64),
-            dst=np.array(dst, np.int64),
-            nbytes=np.array(size, np.int64),
-        )
-        return copies, tuple(bounds)
+        return (tuple(src), tuple(dst), tuple(size)), tuple(bounds)
 
     def _exact_keys(self, direction: Direction, groups: list[_Group]) -> IdArray:
         """Return the keys a store must copy page by page: partial chunks, padded pages."""
@@ -412,17 +438,17 @@ class StagePlanner:
         f = self._layout.blocks_per_chunk
         first = group.skip if local == 0 else 0
         end = min(group.skip + group.n - local * f, f)
-        refs = self._refs[group.g]
+        start = self._first_ref[group.g]
+        refs = self.ref_table[start : start + self._ref_counts[group.g]]
         slots = np.arange(first, end, dtype=np.int64)
-        offset = refs[:, _FIELD["stage_offset"], None]
-        stride = refs[:, _FIELD["page_stride"], None]
-        size = refs[:, _FIELD["page_bytes"], None]
+        offset = refs[:, _REF["row_offset"], None]
+        stride = refs[:, _REF["page_stride"], None]
+        size = refs[:, _REF["page_bytes"], None]
         in_row = (offset + slots[None, :] * stride).ravel()
         return in_row, np.broadcast_to(size, (len(refs), len(slots))).ravel()
 
 
-@attrs.frozen(kw_only=True)
-class _Group:
+class _Group(NamedTuple):
     """A group the plan moves: its index, blocks, skip, keys, first key and id, key bytes."""
 
     g: int
@@ -450,26 +476,44 @@ class _Slices:
     """Per batch: the staging bytes it uses."""
 
 
-_NO_COPIES = CopyList(src=np.zeros(0, np.int64), dst=np.zeros(0, np.int64), nbytes=np.zeros(0))
+def _bounds(batch_of_line: list[int], n_batches: int) -> list[int]:
+    """Return where each batch's lines start, and the end, for lines in batch order."""
+    bounds = [0] * (n_batches + 1)
+    for b in batch_of_line:
+        bounds[b + 1] += 1
+    for b in range(n_batches):
+        bounds[b + 1] += bounds[b]
+    return bounds
 
 
-def segment_copies(segments: IdArray, ids: IdArray, *, direction: Direction) -> CopyList:
-    """Return the page copies a segment table means, as (src, dst, nbytes) with the GPU side as
-    absolute addresses and the staging side as offsets: the copy kernel's work, page by page
-    (the kernel also cuts pages into pieces, which moves the same bytes)."""
-    field = {name: segments[:, i] for name, i in _FIELD.items()}
-    count = field["count"]
-    seg = np.repeat(np.arange(len(count)), count)
+def segment_copies(
+    slices: IdArray, refs: IdArray, ids: IdArray, *, direction: Direction
+) -> CopyList:
+    """Return the page copies a slice table means, with the ref table `refs`, as (src, dst,
+    nbytes) with the GPU side as absolute addresses and the staging side as offsets: the copy
+    kernel's work, page by page (the kernel also cuts pages into pieces, which moves the same
+    bytes), in the kernel's order (slice, ref, page)."""
+    column = {name: slices[:, i] for name, i in _SLICE.items()}
+    # one line per (slice, ref): the slice's columns beside the ref's
+    per_slice = column["refs"]
+    line_slice = np.repeat(np.arange(len(slices)), per_slice)
+    starts = np.cumsum(per_slice) - per_slice
+    line_ref = column["first_ref"][line_slice] + np.arange(len(line_slice)) - starts[line_slice]
+    ref = {name: refs[line_ref, i] for name, i in _REF.items()}
+    count = column["count"][line_slice]
+    line = np.repeat(np.arange(len(line_slice)), count)
     p = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-    q = field["first_position"][seg] + p
-    stride = field["page_stride"][seg]
+    q = column["first_position"][line_slice][line] + p
+    stride, slots = ref["page_stride"][line], ref["slots"][line]
     stage = (
-        field["stage_offset"][seg]
-        + (q // field["slots"][seg]) * field["row_pitch"][seg]
-        + (q % field["slots"][seg]) * stride
+        column["stage_offset"][line_slice][line]
+        + ref["row_offset"][line]
+        + (q // slots) * ref["row_pitch"][line]
+        + (q % slots) * stride
     )
-    gpu = field["gpu_base"][seg] + np.asarray(ids, np.int64)[field["id_offset"][seg] + p] * stride
-    size = field["page_bytes"][seg]
+    ids = np.asarray(ids, np.int64)
+    gpu = ref["gpu_base"][line] + ids[column["id_offset"][line_slice][line] + p] * stride
+    size = ref["page_bytes"][line]
     if direction is Direction.STORE:
         return CopyList(src=gpu, dst=stage, nbytes=size)
     return CopyList(src=stage, dst=gpu, nbytes=size)

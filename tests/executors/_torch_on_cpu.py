@@ -16,7 +16,7 @@ import numpy as np
 
 from kvferry.core.plan import Direction
 from kvferry.executors.host import HostRegistrar
-from kvferry.executors.staging import SEGMENT_FIELDS, segment_copies
+from kvferry.executors.staging import REF_FIELDS, SLICE_FIELDS, segment_copies
 from kvferry.executors.torch_executor import TorchExecutor
 
 
@@ -155,20 +155,21 @@ class TorchOnCpuExecutor(TorchExecutor):
         *,
         segments: int,
         count: int,
+        refs: int,
         ids: int,
         stage: int,
         to_stage: bool,
         blocks: int,
     ) -> None:
-        """Do the kernel's work with `segment_copies` and memmove (no CUDA here)."""
-        width = len(SEGMENT_FIELDS)
-        table = np.ctypeslib.as_array((ctypes.c_int64 * (count * width)).from_address(segments))
-        table = table.reshape(count, width)
-        fields = dict(zip(SEGMENT_FIELDS, table.T, strict=True))
+        """Do the kernel's work with `segment_copies` and memmove (no CUDA here), reading the
+        tables from where the executor uploaded them."""
+        table = _int64s(segments, count, len(SLICE_FIELDS))
+        ref_table = _int64s(refs, len(self._planner.ref_table), len(REF_FIELDS))
+        fields = dict(zip(SLICE_FIELDS, table.T, strict=True))
         n_ids = int((fields["id_offset"] + fields["count"]).max())
         block_ids = np.ctypeslib.as_array((ctypes.c_int64 * n_ids).from_address(ids))
         direction = Direction.STORE if to_stage else Direction.LOAD
-        copies = segment_copies(table, block_ids, direction=direction)
+        copies = segment_copies(table, ref_table, block_ids, direction=direction)
         src_base, dst_base = (0, stage) if to_stage else (stage, 0)
         for src, dst, size in zip(
             copies.src.tolist(), copies.dst.tolist(), copies.nbytes.tolist(), strict=True
@@ -177,3 +178,9 @@ class TorchOnCpuExecutor(TorchExecutor):
 
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         ctypes.memmove(dst, src, nbytes)
+
+
+def _int64s(address: int, lines: int, width: int) -> np.ndarray:
+    """Return the `lines` x `width` int64 table at `address` (a view of that memory)."""
+    flat = np.ctypeslib.as_array((ctypes.c_int64 * (lines * width)).from_address(address))
+    return flat.reshape(lines, width)

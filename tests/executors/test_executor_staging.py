@@ -25,7 +25,13 @@ from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList, check_bound, expand_pages
 from kvferry.core.plan import Direction, chunks_spanned
 from kvferry.executors.kernels import PIECE_BYTES
-from kvferry.executors.staging import SEGMENT_FIELDS, StageBatch, StagePlanner, segment_copies
+from kvferry.executors.staging import (
+    REF_FIELDS,
+    SLICE_FIELDS,
+    StageBatch,
+    StagePlanner,
+    segment_copies,
+)
 
 
 def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
@@ -59,7 +65,7 @@ def _staged(model: Model, bound: BoundPlan, capacity: int, piece_bytes: int = 0)
     assert sum(b.nbytes for b in batches) == check_bound(bound, executor.layout)
     for batch in batches:
         assert batch.stage_bytes <= capacity
-        pages = segment_copies(batch.segments, ids, direction=direction)
+        pages = segment_copies(batch.segments, batch.refs, ids, direction=direction)
         if direction is Direction.STORE:
             _replay(pages, 0, stage_address)
             _replay(batch.dma, stage_address, host)
@@ -134,14 +140,16 @@ def test_a_store_of_a_partial_chunk_writes_only_its_pages() -> None:
     assert batch.dma.total_bytes < 2 * layout.row_bytes
 
 
-def test_the_segment_table_names_every_page_of_the_plan_once() -> None:
+def test_the_slice_table_names_every_page_of_the_plan_once() -> None:
     model = Model(backend_for("cpu"), LAYOUT_CASES["hybrid_three_groups"], 3)
     layout = model.executor.layout
     moves = _moves(3, len(LAYOUT_CASES["hybrid_three_groups"]), skip=1)
     bound = bound_plan(1, Direction.LOAD, 3, moves)
     gpu = np.concatenate(
         [
-            segment_copies(b.segments, bound.plan.gpu_block_ids, direction=Direction.LOAD).dst
+            segment_copies(
+                b.segments, b.refs, bound.plan.gpu_block_ids, direction=Direction.LOAD
+            ).dst
             for b in _batches(model, bound, capacity=layout.row_bytes)
         ]
     )
@@ -154,8 +162,10 @@ def test_each_batch_counts_its_kernel_pieces() -> None:
     model = Model(backend_for("cpu"), LAYOUT_CASES["blocks_first"], 1)
     bound = bound_plan(1, Direction.STORE, 1, [GroupMove(ids=(1, 2, 3), first=0, rows=(0, 1, 2))])
     (batch,) = _batches(model, bound, capacity=3 * model.executor.layout.row_bytes)
-    pages = len(segment_copies(batch.segments, bound.plan.gpu_block_ids, direction=Direction.STORE))
-    assert batch.items == pages  # pages smaller than PIECE_BYTES are one piece each
+    pages = segment_copies(
+        batch.segments, batch.refs, bound.plan.gpu_block_ids, direction=Direction.STORE
+    )
+    assert batch.items == len(pages)  # pages smaller than PIECE_BYTES are one piece each
 
 
 def test_the_first_and_last_batches_stay_small_so_the_pipeline_fills_and_drains_fast() -> None:
@@ -226,11 +236,17 @@ def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
     batches = planner.plan(bound).batches
     assert sum(b.nbytes for b in batches) == check_bound(bound, layout)
     assert all(b.stage_bytes <= capacity_rows * layout.row_bytes for b in batches)
-    for batch in batches:  # the kernel numbers pieces line after line, from 0 in each batch
-        field = dict(zip(SEGMENT_FIELDS, batch.segments.T, strict=True))
-        pieces = field["count"] * -(-field["page_bytes"] // PIECE_BYTES)
-        np.testing.assert_array_equal(field["first_item"], np.cumsum(pieces) - pieces)
-        assert int(pieces.sum()) == batch.items
+    for batch in batches:  # the kernel numbers pieces slice after slice, from 0 in each batch
+        pieces = []
+        for first_ref, refs, *_, count, _first_item in batch.segments.tolist():
+            ref = dict(zip(REF_FIELDS, batch.refs[first_ref : first_ref + refs].T, strict=True))
+            per_page = -(-ref["page_bytes"] // PIECE_BYTES)
+            np.testing.assert_array_equal(ref["pieces"], per_page)
+            np.testing.assert_array_equal(ref["piece_prefix"], np.cumsum(per_page) - per_page)
+            pieces.append(count * int(per_page.sum()))
+        first_items = batch.segments[:, SLICE_FIELDS.index("first_item")]
+        np.testing.assert_array_equal(first_items, np.cumsum(pieces) - pieces)
+        assert sum(pieces) == batch.items
     if piece_rows:  # no link copy crosses a registration boundary of the tier
         piece = piece_rows * layout.row_bytes
         for batch in batches:
@@ -239,7 +255,9 @@ def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
     stage = np.full(capacity_rows * layout.row_bytes, 0x77, dtype=np.uint8)
     stage_address, host = int(stage.ctypes.data), staged.executor.host_tier.address
     for batch in batches:
-        pages = segment_copies(batch.segments, bound.plan.gpu_block_ids, direction=direction)
+        pages = segment_copies(
+            batch.segments, batch.refs, bound.plan.gpu_block_ids, direction=direction
+        )
         if direction is Direction.STORE:
             _replay(pages, 0, stage_address)
             _replay(batch.dma, stage_address, host)
