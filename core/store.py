@@ -89,9 +89,15 @@ def _stored_tokens(
 
 def _completes_chunk(config: OffloadConfig, cursors: IdArray, done: IdArray) -> FlagArray:
     """Return, per request (a row of `cursors`, an entry of `done`), whether some group
-    completes a chunk past its store cursor by `done` tokens: the one definition of *due*."""
-    chunk_tokens = np.array(config.all_chunk_tokens, dtype=np.int64)
-    return np.asarray((done[:, None] // chunk_tokens > cursors).any(axis=1), dtype=np.bool_)
+    completes a chunk past its store cursor by `done` tokens: the one definition of *due*.
+
+    One pass per group (a column of `cursors`), OR-ed: a few times faster than a 2-D pass and
+    `any(axis=1)` for a few hundred requests."""
+    first, *rest = config.all_chunk_tokens
+    due: FlagArray = done // first > cursors[:, 0]
+    for group, chunk in enumerate(rest, start=1):
+        due |= done // chunk > cursors[:, group]
+    return due
 
 
 def stored_tokens_after_step(
