@@ -216,4 +216,4 @@ class CupyExecutor(StagedGpuExecutor):
                     (THREADS,),
                     (device, np.int64(n)),
                 )
-        return self._end(direction, job, int(link.ptr))
+        return self._end(direction, job, 1)  # one kernel, on the first lane

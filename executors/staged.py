@@ -99,7 +99,9 @@ class StagedGpuExecutor(Executor):
             for d, pair in self._lanes.items()
         }
         self._started: set[Direction] = set()
-        self._staging: dict[Direction, list[Any]] = {}
+        self._spare_events: list[Any] = []
+        """Timing events of finished jobs, for the next jobs (creating one is a driver call)."""
+        self._staging: dict[Direction, tuple[list[Any], tuple[int, int]]] = {}
         self._tables: dict[Direction, _TableBuffers] = {}
 
     # --- what a CUDA library provides ----------------------------------------------------------
@@ -210,33 +212,43 @@ class StagedGpuExecutor(Executor):
 
     # --- the shared path -------------------------------------------------------------------------
 
-    def _stages(self, direction: Direction) -> list[Any]:
-        """Return the direction's two staging halves (allocated on first use)."""
+    def _stages(self, direction: Direction) -> tuple[int, int]:
+        """Return the addresses of the direction's two staging halves (allocated on first use)."""
         if direction not in self._staging:
-            self._staging[direction] = [self._allocate(self._half_bytes) for _ in range(2)]
-        return self._staging[direction]
+            halves = [self._allocate(self._half_bytes) for _ in range(2)]
+            self._staging[direction] = (
+                halves,
+                (self._address(halves[0]), self._address(halves[1])),
+            )
+        return self._staging[direction][1]
 
     def _begin(self, direction: Direction, path: CopyPath) -> GpuJob:
-        """Return a new job of `direction` whose lanes wait on compute and the previous job."""
-        ready = self._ready[direction]
+        """Return a new job of `direction` whose first lane waits on compute and the previous
+        job (the second lane waits on the first, see `_enqueue_staged`)."""
+        ready, first = self._ready[direction], self._lane_handles[direction][0]
         self._record(ready, self._compute_stream_now())
-        for lane in self._lane_handles[direction]:
-            self._wait(lane, ready)
-            if direction in self._started:
-                self._wait(lane, self._tail[direction])
+        self._wait(first, ready)
+        if direction in self._started:
+            self._wait(first, self._tail[direction])
         self._started.add(direction)
+        spare = self._spare_events
         job = GpuJob(
-            start=self._new_event(timing=True), end=self._new_event(timing=True), keep=[], path=path
+            start=spare.pop() if spare else self._new_event(timing=True),
+            end=spare.pop() if spare else self._new_event(timing=True),
+            keep=[],
+            path=path,
         )
-        self._record(job.start, self._lane_handles[direction][0])
+        self._record(job.start, first)
         return job
 
-    def _end(self, direction: Direction, job: GpuJob, last: int) -> GpuJob:
-        """Record the job's end on raw stream `last`, after the direction's other lane's work."""
-        for lane in self._lane_handles[direction]:
-            if lane != last:
-                self._record(self._joined[direction], lane)
-                self._wait(last, self._joined[direction])
+    def _end(self, direction: Direction, job: GpuJob, batches: int) -> GpuJob:
+        """Record the job's end on the lane of its last batch (batch k runs on lane k % 2; a job
+        of no batch ends on the first), after the other lane's work when it has some."""
+        lanes = self._lane_handles[direction]
+        last = lanes[(batches - 1) % 2] if batches else lanes[0]
+        if batches > 1:
+            self._record(self._joined[direction], lanes[batches % 2])
+            self._wait(last, self._joined[direction])
         self._record(job.end, last)
         self._record(self._tail[direction], last)
         return job
@@ -249,12 +261,12 @@ class StagedGpuExecutor(Executor):
         job = self._begin(direction, CopyPath.STAGED)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
         refs = self._upload(ids, plan.table, direction)
-        if len(plan) > 1:
+        if len(plan) > 1:  # after the upload, and so after what the first lane waited on
             self._wait(lanes[1], self._tables[direction].uploaded)
         ids_address = refs + self._planner.ref_table.nbytes
         segments = ids_address + 8 * len(ids)
         line_bytes = plan.table.shape[1] * 8
-        stages = [self._address(stage) for stage in self._stages(direction)]
+        stages = self._stages(direction)
         store = direction is Direction.STORE
         host = self.host_tier.address
         lines, link = plan.line_bounds, plan.link_bounds
@@ -277,7 +289,7 @@ class StagedGpuExecutor(Executor):
                 self._memcpy(dst_base + dst[i], src_base + src[i], size[i], lane)
             if not store and launch["count"]:  # copy in, then scatter
                 self._launch_stage_copy(lane, **launch)
-        return self._end(direction, job, lanes[(len(plan) - 1) % 2])
+        return self._end(direction, job, len(plan))
 
     def _upload(self, ids: IdArray, table: IdArray, direction: Direction) -> int:
         """Copy the ref table, `ids` and the slice `table` (int64), one after the other, to the
@@ -326,9 +338,8 @@ class StagedGpuExecutor(Executor):
     def _finish(self, handle: GpuJob) -> float:
         try:
             return self._elapsed(handle.start, handle.end)
-        finally:
-            self._destroy_event(handle.start)
-            self._destroy_event(handle.end)
+        finally:  # both have completed: the next jobs may record them again
+            self._spare_events += (handle.start, handle.end)
 
     def _release(self) -> None:
         for pair in self._lanes.values():
@@ -339,8 +350,10 @@ class StagedGpuExecutor(Executor):
             *self._joined.values(),
             *self._tail.values(),
             *(buffers.uploaded for buffers in self._tables.values()),
+            *self._spare_events,
         ):
             self._destroy_event(event)
+        self._spare_events.clear()
         self._staging.clear()
         self._tables.clear()
 
