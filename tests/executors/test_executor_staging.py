@@ -1,5 +1,6 @@
-"""Staged batches (segment tables and link copies), replayed with memmove on host memory, copy the
-same bytes as direct copies."""
+"""Staged batches (slice tables and link copies), replayed on host memory with memmove and with the
+staging kernel (its numpy specification, or its CUDA source compiled for the CPU), copy the same
+bytes as direct copies."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from _harness import (
     backend_for,
     bound_plan,
 )
+from _kernel_on_cpu import run_stage_copy, stage_copy_on_cpu
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -206,14 +208,19 @@ def _staged_cases(draw: st.DrawFn) -> tuple[str, int, Direction, list[GroupMove]
     capacity_rows = draw(st.integers(1, 4))
     ramp_rows = draw(st.integers(1, capacity_rows))
     piece_rows = draw(st.sampled_from([0, 1, 2, 3]))
-    return case, f, direction, moves, capacity_rows, ramp_rows, piece_rows
+    kernel_piece = draw(st.sampled_from([32, 48, PIECE_BYTES]))  # small ones cut pages up
+    return case, f, direction, moves, capacity_rows, ramp_rows, piece_rows, kernel_piece
 
 
-@given(_staged_cases())
+@pytest.mark.parametrize("kernel", ["numpy specification", "CUDA source run on the CPU"])
+@given(drawn=_staged_cases())
 def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
-    drawn: tuple[str, int, Direction, list[GroupMove], int, int, int],
+    kernel: str, drawn: tuple[str, int, Direction, list[GroupMove], int, int, int, int]
 ) -> None:
-    case, f, direction, moves, capacity_rows, ramp_rows, piece_rows = drawn
+    compiled = stage_copy_on_cpu() if kernel.startswith("CUDA") else None
+    if kernel.startswith("CUDA") and compiled is None:
+        pytest.skip("needs g++ to compile the kernel source for the CPU")
+    case, f, direction, moves, capacity_rows, ramp_rows, piece_rows, kernel_piece = drawn
     direct = Model(backend_for("cpu"), LAYOUT_CASES[case], f)
     staged = Model(backend_for("cpu"), LAYOUT_CASES[case], f)
     layout = staged.executor.layout  # its refs hold the staged model's addresses
@@ -229,7 +236,7 @@ def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
     planner = StagePlanner(
         layout,
         capacity=capacity_rows * layout.row_bytes,
-        piece_bytes=PIECE_BYTES,
+        piece_bytes=kernel_piece,
         tier_piece_bytes=piece_rows * layout.row_bytes,
         ramp_bytes=ramp_rows * layout.row_bytes,
     )
@@ -240,7 +247,7 @@ def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
         pieces = []
         for first_ref, refs, *_, count, _first_item in batch.segments.tolist():
             ref = dict(zip(REF_FIELDS, batch.refs[first_ref : first_ref + refs].T, strict=True))
-            per_page = -(-ref["page_bytes"] // PIECE_BYTES)
+            per_page = -(-ref["page_bytes"] // kernel_piece)
             np.testing.assert_array_equal(ref["pieces"], per_page)
             np.testing.assert_array_equal(ref["piece_prefix"], np.cumsum(per_page) - per_page)
             pieces.append(count * int(per_page.sum()))
@@ -254,16 +261,32 @@ def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
             assert ((tier_side + batch.dma.nbytes - 1) // piece == tier_side // piece).all()
     stage = np.full(capacity_rows * layout.row_bytes, 0x77, dtype=np.uint8)
     stage_address, host = int(stage.ctypes.data), staged.executor.host_tier.address
+    ids = bound.plan.gpu_block_ids
+    store = direction is Direction.STORE
+
+    def stage_copy(batch: StageBatch) -> None:
+        if compiled is None:
+            pages = segment_copies(batch.segments, batch.refs, ids, direction=direction)
+            _replay(pages, *((0, stage_address) if store else (stage_address, 0)))
+        else:
+            run_stage_copy(
+                compiled,
+                segments=batch.segments,
+                refs=batch.refs,
+                ids=ids,
+                stage=stage_address,
+                to_stage=store,
+                piece=kernel_piece,
+                blocks=1 + len(batch.segments) % 3,
+            )
+
     for batch in batches:
-        pages = segment_copies(
-            batch.segments, batch.refs, bound.plan.gpu_block_ids, direction=direction
-        )
-        if direction is Direction.STORE:
-            _replay(pages, 0, stage_address)
+        if store:
+            stage_copy(batch)
             _replay(batch.dma, stage_address, host)
         else:
             _replay(batch.dma, host, stage_address)
-            _replay(pages, stage_address, 0)
+            stage_copy(batch)
     direct.run(bound)
     np.testing.assert_array_equal(staged.executor.host_tier.array, direct.executor.host_tier.array)
     for a, b in zip(direct.snapshot(), staged.snapshot(), strict=True):
