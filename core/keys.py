@@ -58,11 +58,16 @@ class KeyChain(Sequence[OffloadKey]):
         _check_keys(added)
         store, length = self._keys, self._length
         end = length + len(added)
-        if len(store) == length:
-            store.extend(added)  # one step under the GIL; the check below settles any race
-            if store[length:end] == added:  # the entries past `length` are ours
-                return _sharing(store, end)
-        return _sharing(store[:length] + added, end)
+        shared = len(store) == length  # the longest chain of its list: append in place
+        if shared:
+            store.extend(added)  # one step under the GIL; another thread may have gone first:
+            shared = store[length:end] == added  # are the entries past `length` ours?
+        if not shared:  # an older chain (or a race lost): copy its part
+            store = store[:length] + added
+        chain = _new(KeyChain)
+        _set_keys(chain, store)
+        _set_length(chain, end)
+        return chain
 
     def __len__(self) -> int:
         return self._length
@@ -114,14 +119,6 @@ class KeyChain(Sequence[OffloadKey]):
 _new = object.__new__
 _set_keys = KeyChain.__dict__["_keys"].__set__  # the slots' own setters: no attribute lookup
 _set_length = KeyChain.__dict__["_length"].__set__
-
-
-def _sharing(store: list[OffloadKey], length: int) -> KeyChain:
-    """Return the chain of the first `length` keys of `store` (no copy, no check)."""
-    chain = _new(KeyChain)
-    _set_keys(chain, store)
-    _set_length(chain, length)
-    return chain
 
 
 def _check_keys(keys: list[OffloadKey]) -> None:
