@@ -119,7 +119,7 @@ class GroupLayout:
                 field="refs", expected="a non-empty sequence of PageRef", got=self.refs
             )
 
-    @property
+    @functools.cached_property  # every submit checks ids against it
     def num_blocks(self) -> int:
         """Return the number of GPU blocks every ref of the group can index."""
         return min(r.num_blocks for r in self.refs)

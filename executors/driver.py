@@ -67,9 +67,16 @@ class CudaDriver:
             CudaDriver._library = library
         self._lib = CudaDriver._library
 
+    @property
+    def library(self) -> ctypes.CDLL:
+        """Return `libcuda`, its functions' argument types set."""
+        return self._lib
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Queue a copy of `nbytes` from `src` to `dst` (unified addresses) on `stream`."""
-        _check(self._lib.cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+        status = self._lib.cuMemcpyAsync(dst, src, nbytes, stream)
+        if status:  # checked here, not in `_check`: one call less per copy on a hot path
+            _check(status, "cuMemcpyAsync")
 
     def event(self, *, timing: bool) -> int:
         """Return a new event on the current context (timing, or the cheaper kind without)."""
@@ -112,15 +119,6 @@ class CudaDriver:
         """Release `event` (work already queued on it still completes)."""
         _check(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
 
-    def launch(self, function: Any, blocks: int, params: Any, stream: int) -> None:
-        """Launch `function` on `blocks` x `THREADS` threads with the kernel `params` array."""
-        _check(
-            self._lib.cuLaunchKernel(
-                function, blocks, 1, 1, THREADS, 1, 1, 0, stream, params, None
-            ),
-            "cuLaunchKernel",
-        )
-
 
 class StageCopyLauncher:
     """Launches the staging kernel (`kernels.STAGE_COPY_SOURCE`) with argument holders made once.
@@ -129,7 +127,7 @@ class StageCopyLauncher:
     """
 
     def __init__(self, driver: CudaDriver, function: Any) -> None:
-        self._driver = driver
+        self._launch = driver.library.cuLaunchKernel
         self._function = function
         self._segments = ctypes.c_uint64()
         self._count = ctypes.c_int()
@@ -171,7 +169,11 @@ class StageCopyLauncher:
         self._ids.value = ids
         self._stage.value = stage
         self._to_stage.value = int(to_stage)
-        self._driver.launch(self._function, blocks, self._params, stream)
+        status = self._launch(
+            self._function, blocks, 1, 1, THREADS, 1, 1, 0, stream, self._params, None
+        )
+        if status:
+            _check(status, "cuLaunchKernel")
 
 
 _EVENT_DISABLE_TIMING = 2
