@@ -83,7 +83,8 @@ def unchecked_maker(cls: type[T]) -> Callable[..., T]:
 
 def unchecked_evolver(cls: type[T]) -> Callable[..., T]:
     """Return a function `evolve(instance, **changes)` for the frozen, slotted attrs class
-    `cls` that does what `unchecked_evolve(instance, **changes)` does, generated once as
+    `cls`: a copy of `instance` with `changes`, made as `unchecked` makes a value (no check),
+    for a next state whose invariants the caller has just established; generated once as
     `unchecked_maker` is (fields not named in `changes` are copied from `instance`)."""
     names = _field_names(cls)
     lines = [f"def evolve(instance, *, {', '.join(f'{name}=keep' for name in names)}):"]
@@ -112,16 +113,3 @@ def _generated(cls: type[T], names: list[str], lines: list[str], name: str) -> C
     exec("\n".join(lines), namespace)  # code built above from field names only
     function: Callable[..., T] = namespace[name]
     return function
-
-
-def unchecked_evolve(instance: T, **changes: Any) -> T:
-    """Return a copy of the frozen attrs value `instance` with `changes`, as `unchecked` builds
-    one: for a next state whose invariants the caller has just established."""
-    cls = type(instance)
-    copy = object.__new__(cls)
-    for field in cls.__attrs_attrs__:  # type: ignore[attr-defined]
-        name = field.name
-        object.__setattr__(
-            copy, name, changes[name] if name in changes else getattr(instance, name)
-        )
-    return copy
