@@ -1,0 +1,371 @@
+"""The staged executor's streams and events order every hazard, checked on a stream-order model.
+
+`_stream_model.StreamOrderModel` runs the torch executor on CPU tensors and logs every CUDA
+operation it queues (streams as FIFO queues, waits capturing the record made before them, host
+syncs); happens-before is computed from the log. Random sequences of loads and stores, of 0, 1,
+2, 3 or many batches, some finished between submits and some not, must keep each hazard ordered.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+
+import attrs
+import pytest
+from _harness import LAYOUT_CASES, NUM_BLOCKS, NUM_ROWS, GroupMove, Model, TorchBackend, bound_plan
+from _stream_model import (
+    COMPUTE_STREAMS,
+    Access,
+    Kind,
+    Op,
+    StreamOrderModel,
+    Trace,
+    happens_before,
+    unordered_conflicts,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.core.plan import Direction, chunks_spanned
+from kvferry.executors import register_executor
+
+pytest.importorskip("torch")
+
+NAME = "stream-order-model"
+CASES = ("mla", "hybrid_three_groups")
+PROPERTY = settings(max_examples=60)
+
+
+# --- scenarios -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Submit:
+    """Submit a job behind the engine's work on compute stream `stream`."""
+
+    direction: Direction
+    moves: tuple[GroupMove, ...]
+    stream: int
+
+
+@attrs.frozen
+class Finish:
+    """Wait for the in-flight job at `position` (modulo how many are in flight)."""
+
+    position: int
+
+
+@attrs.frozen
+class Poll:
+    """Poll: every job in flight is reported."""
+
+
+Step = Submit | Finish | Poll
+
+
+@attrs.frozen
+class Scenario:
+    case: str
+    f: int
+    rows_per_half: int
+    steps: tuple[Step, ...]
+
+
+@st.composite
+def _submits(draw: st.DrawFn, case: str, f: int, rows_per_half: int) -> Submit:
+    direction = draw(st.sampled_from(list(Direction)))
+    free = iter(draw(st.permutations(range(NUM_ROWS))))
+    moves = []
+    for _ in LAYOUT_CASES[case]:
+        # 0, 1, 2 or 3 batches for a single group, or many
+        batches = draw(st.sampled_from([0, 1, 2, 3, 5, 8]))
+        n = draw(
+            st.integers(max(0, (batches - 1) * rows_per_half * f), batches * rows_per_half * f)
+        )
+        skip = draw(st.integers(0, f - 1)) if direction is Direction.LOAD and n else 0
+        count = chunks_spanned(n, skip, f)
+        rows = [row for row, _ in zip(free, range(count), strict=False)]
+        if len(rows) < count:  # the tier is full: this group moves nothing
+            n, skip, rows = 0, 0, []
+        ids = draw(st.permutations(range(NUM_BLOCKS)))[:n]
+        moves.append(GroupMove(ids=tuple(ids), first=skip, rows=tuple(rows)))
+    return Submit(direction, tuple(moves), draw(st.sampled_from(COMPUTE_STREAMS)))
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    case = draw(st.sampled_from(CASES))
+    f = draw(st.integers(1, 2))
+    rows_per_half = draw(st.integers(1, 3))
+    step = st.one_of(
+        _submits(case, f, rows_per_half),
+        _submits(case, f, rows_per_half),
+        st.builds(Finish, st.integers(0, 7)),
+        st.just(Poll()),
+    )
+    return Scenario(case, f, rows_per_half, tuple(draw(st.lists(step, min_size=1, max_size=8))))
+
+
+@functools.cache
+def _row_bytes(case: str, f: int) -> int:
+    return _model(case, f, staging_bytes=1).executor.layout.row_bytes
+
+
+def _model(case: str, f: int, staging_bytes: int) -> Model:
+    register_executor(NAME, "_stream_model:StreamOrderModel")
+    return Model(
+        TorchBackend(NAME, device="cpu"), LAYOUT_CASES[case], f, staging_bytes=staging_bytes
+    )
+
+
+def run(scenario: Scenario) -> StreamOrderModel:
+    """Play `scenario` on a fresh model, close it, and return the model with its log."""
+    staging = 2 * scenario.rows_per_half * _row_bytes(scenario.case, scenario.f)
+    executor = _model(scenario.case, scenario.f, staging).executor
+    assert isinstance(executor, StreamOrderModel)
+    in_flight: list[int] = []
+    results = []
+    for job_id, step in enumerate(scenario.steps):
+        if isinstance(step, Submit):
+            bound = bound_plan(job_id, step.direction, scenario.f, step.moves)
+            in_flight.append(executor.submit_behind_compute(bound, step.stream))
+        elif isinstance(step, Finish) and in_flight:
+            results += executor.wait([in_flight.pop(step.position % len(in_flight))])
+        elif isinstance(step, Poll):
+            results += executor.poll()
+            in_flight.clear()
+    results += executor.close()
+    assert all(r.success for r in results), results
+    assert len(results) == len(executor.jobs)
+    return executor
+
+
+# --- the invariants, each a list of violations -------------------------------------------------
+
+
+def staging_races(model: StreamOrderModel) -> list[tuple[Op, Op]]:
+    """Two ops touching one staging half, at least one writing, that nothing orders."""
+    return unordered_conflicts(model.trace.ops, "stage")
+
+
+def kernels_before_their_upload(model: StreamOrderModel) -> list[tuple[Op, Op]]:
+    """A kernel not ordered after the upload of the tables it reads."""
+    found = []
+    for job in model.jobs.values():
+        (upload,) = [op for op in job.work if op.kind is Kind.UPLOAD]
+        found += [
+            (upload, op)
+            for op in job.work
+            if op.kind is Kind.KERNEL and not happens_before(upload, op)
+        ]
+    return found
+
+
+def tables_overwritten_while_read(model: StreamOrderModel) -> list[tuple[Op, Op]]:
+    """An upload to the device tables not ordered after an earlier kernel that reads them."""
+    return [
+        (a, b)
+        for a, b in unordered_conflicts(model.trace.ops, "tables")
+        if a.kind is Kind.KERNEL and b.kind is Kind.UPLOAD
+    ]
+
+
+def pinned_tables_rewritten_while_uploading(model: StreamOrderModel) -> list[tuple[Op, Op]]:
+    """A host write of the pinned upload buffer not ordered after the upload that reads it."""
+    return unordered_conflicts(model.trace.ops, "pinned")
+
+
+def ops_outside_their_job(model: StreamOrderModel) -> list[tuple[Op, Op]]:
+    """A job's op not after its start record, or not before its end record."""
+    found = []
+    for job in model.jobs.values():
+        found += [(job.start, op) for op in job.work if not happens_before(job.start, op)]
+        found += [(op, job.end) for op in job.work if not happens_before(op, job.end)]
+    return found
+
+
+def ops_before_queued_compute(model: StreamOrderModel) -> list[tuple[Op, Op]]:
+    """A job's op not after the engine's work queued on the compute stream before its submit."""
+    return [
+        (job.compute, op)
+        for job in model.jobs.values()
+        for op in job.work
+        if not happens_before(job.compute, op)
+    ]
+
+
+def ops_before_the_previous_job_of_their_direction(
+    model: StreamOrderModel,
+) -> list[tuple[Op, Op]]:
+    """An op of a job not after the end of the job submitted before it in its direction."""
+    found = []
+    for direction in Direction:
+        jobs = [job for job in model.jobs.values() if job.direction is direction]
+        for previous, job in itertools.pairwise(jobs):
+            found += [(previous.end, op) for op in job.work if not happens_before(previous.end, op)]
+    return found
+
+
+def timing_waits_on_other_records(model: StreamOrderModel) -> list[tuple[Op | None, Op]]:
+    """A host wait on a job's timing events that captured a record other than the job's."""
+    return [
+        (start, end)
+        for job in model.jobs.values()
+        for start, end in job.timed
+        if end is not job.end or start not in (None, job.start)
+    ]
+
+
+Invariant = Callable[[StreamOrderModel], Sequence[tuple[Op | None, Op]]]
+
+
+def _holds(invariant: Invariant, model: StreamOrderModel) -> None:
+    violations = invariant(model)
+    assert not violations, f"{invariant.__doc__}: {violations[:3]} ({len(violations)})"
+
+
+# --- the model's own semantics -------------------------------------------------------------------
+
+
+def _stage(stream: int, trace: Trace, *, write: bool, waits_for: Op | None = None) -> Op:
+    half = Access(("stage", Direction.STORE, 0), 0, 64, write)
+    return trace.queue(Kind.KERNEL, stream, accesses=[half], waits_for=waits_for)
+
+
+def test_the_model_flags_two_lanes_touching_one_half_without_a_wait() -> None:
+    trace = Trace()
+    _stage(100, trace, write=True)
+    _stage(101, trace, write=False)
+    assert len(unordered_conflicts(trace.ops, "stage")) == 1
+
+
+def test_the_model_orders_a_lane_after_the_record_it_waited_on() -> None:
+    trace = Trace()
+    gather = _stage(100, trace, write=True)
+    record = trace.queue(Kind.RECORD, 100)
+    _stage(101, trace, write=False, waits_for=record)
+    assert unordered_conflicts(trace.ops, "stage") == []
+    assert happens_before(gather, trace.ops[-1])
+
+
+def test_a_wait_captures_the_record_made_before_it_not_a_later_one() -> None:
+    model = _model("mla", 1, staging_bytes=1).executor
+    assert isinstance(model, StreamOrderModel)
+    event = model._new_event()
+    first = model.trace.queue(Kind.COMPUTE, 1)
+    model._record(event, 1)
+    model._wait(100, event)
+    later = model.trace.queue(Kind.COMPUTE, 1)
+    model._record(event, 1)  # re-recorded after the wait: the wait still sees the first record
+    waiter = model.trace.queue(Kind.KERNEL, 100)
+    assert happens_before(first, waiter)
+    assert not happens_before(later, waiter)
+
+
+def test_a_host_sync_orders_everything_queued_after_it() -> None:
+    trace = Trace()
+    gather = _stage(100, trace, write=True)
+    trace.host_synchronizes(100)
+    assert happens_before(gather, _stage(101, trace, write=True))
+
+
+# --- the protocol, on random job sequences ------------------------------------------------------
+
+
+@PROPERTY
+@given(scenarios())
+def test_no_two_ops_race_on_a_staging_half(scenario: Scenario) -> None:
+    _holds(staging_races, run(scenario))
+
+
+@PROPERTY
+@given(scenarios())
+def test_kernels_read_the_device_tables_after_their_upload(scenario: Scenario) -> None:
+    _holds(kernels_before_their_upload, run(scenario))
+
+
+@PROPERTY
+@given(scenarios())
+def test_an_upload_never_overwrites_device_tables_an_earlier_kernel_reads(
+    scenario: Scenario,
+) -> None:
+    _holds(tables_overwritten_while_read, run(scenario))
+
+
+@PROPERTY
+@given(scenarios())
+def test_the_host_rewrites_the_pinned_tables_only_after_their_last_upload(
+    scenario: Scenario,
+) -> None:
+    _holds(pinned_tables_rewritten_while_uploading, run(scenario))
+
+
+@PROPERTY
+@given(scenarios())
+def test_every_op_of_a_job_lies_between_its_start_and_end_records(scenario: Scenario) -> None:
+    _holds(ops_outside_their_job, run(scenario))
+
+
+@PROPERTY
+@given(scenarios())
+def test_a_job_runs_after_the_compute_queued_before_its_submit(scenario: Scenario) -> None:
+    _holds(ops_before_queued_compute, run(scenario))
+
+
+@PROPERTY
+@given(scenarios())
+def test_jobs_of_one_direction_run_in_submission_order(scenario: Scenario) -> None:
+    _holds(ops_before_the_previous_job_of_their_direction, run(scenario))
+
+
+@PROPERTY
+@given(scenarios())
+def test_finishing_a_job_waits_on_its_own_timing_records(scenario: Scenario) -> None:
+    model = run(scenario)
+    _holds(timing_waits_on_other_records, model)
+    assert model.trace.misuse == []
+
+
+# --- targeted cases -----------------------------------------------------------------------------
+
+
+def _store(rows: range) -> Submit:
+    ids = tuple(range(rows.start, rows.stop))
+    return Submit(Direction.STORE, (GroupMove(ids=ids, first=0, rows=tuple(rows)),), 1)
+
+
+def test_timing_events_reused_after_a_finish_capture_the_new_jobs_records() -> None:
+    # job 0 finishes, job 1 takes its events and is still in flight when job 2 is submitted
+    steps = (_store(range(0, 2)), Finish(0), _store(range(2, 5)), _store(range(5, 6)))
+    model = run(Scenario("mla", 1, 1, (*steps, Finish(0), Finish(0))))
+    first, reused, fresh = (model.jobs[i] for i in (0, 2, 3))
+    events = {op.label.split("(")[1] for op in (first.start, first.end)}
+    assert {op.label.split("(")[1] for op in (reused.start, reused.end)} == events
+    assert not events & {op.label.split("(")[1] for op in (fresh.start, fresh.end)}
+    _holds(timing_waits_on_other_records, model)
+    _holds(ops_before_the_previous_job_of_their_direction, model)
+
+
+def _half(op: Op) -> tuple[object, ...]:
+    (half,) = [a.resource for a in op.accesses if a.resource[0] == "stage"]
+    return half
+
+
+@pytest.mark.parametrize("batches", [1, 2, 3, 6])
+def test_consecutive_batches_of_a_job_run_on_two_lanes_and_may_overlap(batches: int) -> None:
+    model = run(Scenario("mla", 1, 1, (_store(range(batches)),)))
+    job = model.jobs[0]
+    assert job.batches == batches
+    copies = [op for op in job.work if op.kind is not Kind.UPLOAD]
+    runs: list[list[Op]] = []
+    for op in copies:  # a batch: its kernel and DMAs, on one half
+        if runs and _half(runs[-1][0]) == _half(op):
+            runs[-1].append(op)
+        else:
+            runs.append([op])
+    assert len(runs) == batches
+    for k, (batch, following) in enumerate(itertools.pairwise(runs)):
+        assert {op.stream for op in batch} != {op.stream for op in following}, k
+        assert not happens_before(batch[-1], following[0]), k
