@@ -216,4 +216,5 @@ class CupyExecutor(StagedGpuExecutor):
                     (THREADS,),
                     (device, np.int64(n)),
                 )
-        return self._end(direction, job, 1)  # one kernel, on the first lane
+        self._end(direction, job, 1)  # one kernel, on the first lane
+        return job

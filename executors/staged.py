@@ -34,6 +34,9 @@ DEFAULT_STAGING_BYTES = 256 << 20
 calls; on the device H200, 256 MiB gave 0.90-0.96 of the link where 128 MiB gave 0.90-0.95 and
 half the submit time went to per-batch calls (docs/benchmarks.md)."""
 
+TABLE_SLOTS = 4
+"""Pinned table buffers per direction, taken by jobs in turn (see `_table_slot`)."""
+
 DEFAULT_COPY_BLOCKS = 128
 """Thread blocks of a staging kernel launch: enough for HBM speed, far fewer than a full GPU."""
 
@@ -102,7 +105,8 @@ class StagedGpuExecutor(Executor):
         self._spare_events: list[Any] = []
         """Timing events of finished jobs, for the next jobs (creating one is a driver call)."""
         self._staging: dict[Direction, tuple[list[Any], tuple[int, int]]] = {}
-        self._tables: dict[Direction, _TableBuffers] = {}
+        self._tables: dict[Direction, list[_TableSlot]] = {}
+        self._next_slot: dict[Direction, int] = {}
 
     # --- what a CUDA library provides ----------------------------------------------------------
 
@@ -241,9 +245,10 @@ class StagedGpuExecutor(Executor):
         self._record(job.start, first)
         return job
 
-    def _end(self, direction: Direction, job: GpuJob, batches: int) -> GpuJob:
+    def _end(self, direction: Direction, job: GpuJob, batches: int) -> int:
         """Record the job's end on the lane of its last batch (batch k runs on lane k % 2; a job
-        of no batch ends on the first), after the other lane's work when it has some."""
+        of no batch ends on the first), after the other lane's work when it has some; return
+        that lane."""
         lanes = self._lane_handles[direction]
         last = lanes[(batches - 1) % 2] if batches else lanes[0]
         if batches > 1:
@@ -251,18 +256,19 @@ class StagedGpuExecutor(Executor):
             self._wait(last, self._joined[direction])
         self._record(job.end, last)
         self._record(self._tail[direction], last)
-        return job
+        return last
 
     def _enqueue_staged(self, bound: BoundPlan) -> GpuJob:
         """Queue a staged transfer, batch k on lane k % 2; return its job."""
         direction = bound.plan.direction
         lanes = self._lane_handles[direction]
         plan = self._planner.plan(bound)
-        job = self._begin(direction, CopyPath.STAGED)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
-        refs = self._upload(ids, plan.table, direction)
-        if len(plan) > 1:  # after the upload, and so after what the first lane waited on
-            self._wait(lanes[1], self._tables[direction].uploaded)
+        slot = self._table_slot(ids, plan.table, direction)
+        job = self._begin(direction, CopyPath.STAGED)
+        if len(plan) > 1:  # after what the first lane waited on
+            self._wait(lanes[1], job.start)
+        refs = slot.address
         ids_address = refs + self._planner.ref_table.nbytes
         segments = ids_address + 8 * len(ids)
         line_bytes = plan.table.shape[1] * 8
@@ -289,48 +295,50 @@ class StagedGpuExecutor(Executor):
                 self._memcpy(dst_base + dst[i], src_base + src[i], size[i], lane)
             if not store and launch["count"]:  # copy in, then scatter
                 self._launch_stage_copy(lane, **launch)
-        return self._end(direction, job, len(plan))
+        last = self._end(direction, job, len(plan))
+        self._record(slot.done, last)  # the slot's tables are read until here
+        slot.pending = True
+        return job
 
-    def _upload(self, ids: IdArray, table: IdArray, direction: Direction) -> int:
-        """Copy the ref table, `ids` and the slice `table` (int64), one after the other, to the
-        GPU on the direction's first lane; return the address of the first.
+    def _table_slot(self, ids: IdArray, table: IdArray, direction: Direction) -> _TableSlot:
+        """Write the ref table, `ids` and the slice `table` (int64), one after the other, into
+        the direction's next pinned table slot and return it; the job's kernels read them there.
 
-        Each direction keeps one pinned and one device buffer, grown when a job needs more; the
-        ref table stays at the start of the pinned one. The device copy is free again because
-        the job's lanes wait for the previous job, and the pinned one once its last upload has
-        run (an event, `uploaded`; in practice long done).
+        The tables are read where the host wrote them, with no upload: an upload is a
+        host-to-device copy, and beside a load it would queue behind that load's DMAs on the copy
+        engines, holding the store back. Jobs take the `TABLE_SLOTS` slots in turn; a slot is
+        written again only once the job that last used it has ended (its `done` event; with a
+        few jobs in flight, long since), and grows when a job needs more.
         """
         refs = self._planner.ref_table.ravel()
         end = len(refs) + len(ids) + table.size
-        buffers = self._tables.get(direction)
-        if buffers is None or buffers.capacity < end:
-            if buffers is not None:  # grow: wait until nothing reads the old buffers
-                for lane in self._lanes[direction]:
-                    self._synchronize(lane)
-                self._destroy_event(buffers.uploaded)
+        slots = self._tables.setdefault(direction, [])
+        k = self._next_slot.get(direction, 0)
+        self._next_slot[direction] = (k + 1) % TABLE_SLOTS
+        slot = slots[k] if k < len(slots) else None
+        if slot is not None and slot.pending:
+            self._synchronize_event(slot.done)
+            slot.pending = False
+        if slot is None or slot.capacity < end:
+            if slot is not None:
+                self._destroy_event(slot.done)
             capacity = max(end, 1 << 16)
             host, view = self._allocate_pinned(capacity)
             view[: len(refs)] = refs
-            device = self._allocate(capacity * 8)
-            buffers = _TableBuffers(
+            slot = _TableSlot(
                 host=host,
                 view=view,
-                view_address=int(view.ctypes.data),
-                device=device,
-                address=self._address(device),
+                address=int(view.ctypes.data),
                 capacity=capacity,
-                uploaded=self._new_event(),
+                done=self._new_event(),
             )
-            self._tables[direction] = buffers
-        elif buffers.pending:
-            self._synchronize_event(buffers.uploaded)
-        buffers.view[len(refs) : len(refs) + len(ids)] = ids
-        buffers.view[len(refs) + len(ids) : end] = table.ravel()
-        stream = self._lane_handles[direction][0]
-        self._memcpy(buffers.address, buffers.view_address, end * 8, stream)
-        self._record(buffers.uploaded, stream)
-        buffers.pending = True
-        return buffers.address
+            if k < len(slots):
+                slots[k] = slot
+            else:
+                slots.append(slot)
+        slot.view[len(refs) : len(refs) + len(ids)] = ids
+        slot.view[len(refs) + len(ids) : end] = table.ravel()
+        return slot
 
     def _done(self, handle: GpuJob) -> bool:
         return self._event_done(handle.end)
@@ -349,7 +357,7 @@ class StagedGpuExecutor(Executor):
             *self._ready.values(),
             *self._joined.values(),
             *self._tail.values(),
-            *(buffers.uploaded for buffers in self._tables.values()),
+            *(slot.done for slots in self._tables.values() for slot in slots),
             *self._spare_events,
         ):
             self._destroy_event(event)
@@ -359,20 +367,18 @@ class StagedGpuExecutor(Executor):
 
 
 @attrs.define(kw_only=True)
-class _TableBuffers:
-    """One direction's upload buffers: the ref table, then a job's block ids and slice table."""
+class _TableSlot:
+    """A pinned buffer for a job's tables: the ref table, then its block ids and slice table."""
 
     host: Any
-    """Owner of the pinned host buffer."""
+    """Owner of the pinned buffer."""
     view: IdArray
-    """The pinned buffer as numpy."""
-    view_address: int
-    """Its address."""
-    device: Any
-    """Owner of the GPU buffer."""
+    """The buffer as numpy."""
     address: int
+    """Its address, which kernels read through (pinned memory is mapped for the GPU)."""
     capacity: int
-    """int64 values each buffer holds."""
-    uploaded: Any
-    """Event recorded after the last upload from `view`."""
+    """int64 values it holds."""
+    done: Any
+    """Event recorded where the last job that read it ends."""
     pending: bool = False
+    """Whether `done` was recorded and not yet waited for."""
