@@ -7,6 +7,7 @@ the engine's compute stream from the host, and never allocates more staging than
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Sequence
 from typing import Any
@@ -106,6 +107,8 @@ class TorchExecutor(StagedGpuExecutor):
     # --- StagedGpuExecutor's primitives, in torch ----------------------------------------------
 
     def _on_device(self) -> Any:
+        if self._torch.cuda.current_device() == self._device.index:
+            return contextlib.nullcontext()  # the usual case; switching costs ~10 us a submit
         return self._torch.cuda.device(self._device)
 
     def _new_stream(self, *, priority: int = 0) -> Any:
@@ -115,8 +118,14 @@ class TorchExecutor(StagedGpuExecutor):
         return int(stream.cuda_stream)
 
     def _compute_stream_now(self) -> int:
-        stream = self._compute_stream or self._torch.cuda.current_stream(self._device)
-        return int(stream.cuda_stream)
+        if self._compute_stream is not None:
+            return int(self._compute_stream.cuda_stream)
+        # the raw handle without building a Stream object (what torch's own compiled code
+        # calls); through the public API where a torch build lacks it
+        raw = getattr(self._torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return int(raw(self._device.index))
+        return int(self._torch.cuda.current_stream(self._device).cuda_stream)
 
     def _allocate(self, nbytes: int) -> Any:
         return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._device)
