@@ -312,33 +312,35 @@ class StagedGpuExecutor(Executor):
         """
         refs = self._planner.ref_table.ravel()
         end = len(refs) + len(ids) + table.size
-        slots = self._tables.setdefault(direction, [])
+        if direction not in self._tables:  # all at once: no allocation once jobs flow
+            self._tables[direction] = [self._new_slot(end) for _ in range(TABLE_SLOTS)]
+        slots = self._tables[direction]
         k = self._next_slot.get(direction, 0)
         self._next_slot[direction] = (k + 1) % TABLE_SLOTS
-        slot = slots[k] if k < len(slots) else None
-        if slot is not None and slot.pending:
+        slot = slots[k]
+        if slot.pending:
             self._synchronize_event(slot.done)
             slot.pending = False
-        if slot is None or slot.capacity < end:
-            if slot is not None:
-                self._destroy_event(slot.done)
-            capacity = max(end, 1 << 16)
-            host, view = self._allocate_pinned(capacity)
-            view[: len(refs)] = refs
-            slot = _TableSlot(
-                host=host,
-                view=view,
-                address=int(view.ctypes.data),
-                capacity=capacity,
-                done=self._new_event(),
-            )
-            if k < len(slots):
-                slots[k] = slot
-            else:
-                slots.append(slot)
+        if slot.capacity < end:
+            self._destroy_event(slot.done)
+            slot = slots[k] = self._new_slot(end)
         slot.view[len(refs) : len(refs) + len(ids)] = ids
         slot.view[len(refs) + len(ids) : end] = table.ravel()
         return slot
+
+    def _new_slot(self, values: int) -> _TableSlot:
+        """Return a new table slot of at least `values` int64, the ref table written in."""
+        capacity = max(values, 1 << 16)
+        host, view = self._allocate_pinned(capacity)
+        refs = self._planner.ref_table.ravel()
+        view[: len(refs)] = refs
+        return _TableSlot(
+            host=host,
+            view=view,
+            address=int(view.ctypes.data),
+            capacity=capacity,
+            done=self._new_event(),
+        )
 
     def _done(self, handle: GpuJob) -> bool:
         return self._event_done(handle.end)
