@@ -11,21 +11,27 @@ the copies still happen, at once, in call order) whose CUDA primitives also log 
   True) makes every op queued afterwards, on any stream, happen after what the host waited for,
   and so does a host write (the host queues nothing before it has written).
 
-`happens_before` is the transitive closure of these edges; every op carries the memory it touches
-(a staging half as a whole, a byte range of the device tables, of the pinned upload buffer, of the
-tier), so a hazard is two ops touching the same memory, one writing, that it does not order.
+The host writes a job's tables into a pinned table slot (`_table_slot`) and the job's kernels
+read them there, through the mapping of pinned memory: the model logs the host's write of the
+slot and, for each kernel, its reads of the slot (the ref table, the block ids its slice lines
+use, and those lines). `happens_before` is the transitive closure of the edges above; every op
+carries the memory it touches (a staging half as a whole, a byte range of a pinned table slot, of
+the tier), so a hazard is two ops touching the same memory, one writing, that it does not order.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import attrs
+import numpy as np
 from _torch_on_cpu import TorchOnCpuExecutor
 
+from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.plan import Direction
 from kvferry.executors.staged import GpuJob
@@ -42,17 +48,15 @@ class Kind(enum.Enum):
     """The engine's work on a compute stream (it writes the KV blocks of the next job)."""
     RECORD = "record"
     WAIT = "wait"
-    UPLOAD = "upload"
-    """The memcpy of a job's ref table, ids and slice table to the device tables."""
     DMA = "dma"
     """A memcpy between a staging half and the tier."""
     KERNEL = "kernel"
-    """A staging kernel launch."""
+    """A staging kernel launch (it reads its job's tables from a pinned table slot)."""
     HOST = "host"
-    """The host writing the pinned upload buffer."""
+    """The host writing a job's tables into a pinned table slot."""
 
 
-WORK = frozenset({Kind.UPLOAD, Kind.DMA, Kind.KERNEL})
+WORK = frozenset({Kind.DMA, Kind.KERNEL})
 """The ops that move a job's bytes (what must lie between its start and end records)."""
 
 
@@ -61,7 +65,7 @@ class Access:
     """Bytes `lo .. hi - 1` of `resource`, read or written."""
 
     resource: tuple[Any, ...]
-    """`("stage", direction, half)`, `("tables", base)`, `("pinned", base)` or `("tier",)`."""
+    """`("stage", direction, half)`, `("pinned", base)` (a table slot) or `("tier",)`."""
     lo: int
     hi: int
     write: bool
@@ -166,6 +170,8 @@ class JobTrace:
     start: Op
     end: Op
     work: list[Op]
+    tables: Op
+    """The host's write of the job's block ids and slice table into its table slot."""
     timed: list[tuple[Op | None, Op]] = attrs.Factory(list)
     """What the host's waits on the job's timing events captured: (start or None, end)."""
 
@@ -190,7 +196,6 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self._job_ids: dict[int, int] = {}
         self._compute_op: Op | None = None
         self._batches = 0
-        self._uploading = False
         self._events = 0
         super().__init__(**options)
 
@@ -226,11 +231,12 @@ class StreamOrderModel(TorchOnCpuExecutor):
             start=start,
             end=end,
             work=[op for op in self.trace.ops[first:] if op.kind in WORK],
+            tables=next(op for op in self.trace.ops[first:] if op.label == "tables"),
         )
         self._compute_op = None
         return handle
 
-    def _end(self, direction: Direction, job: GpuJob, batches: int) -> GpuJob:
+    def _end(self, direction: Direction, job: GpuJob, batches: int) -> int:
         self._batches = batches
         return super()._end(direction, job, batches)
 
@@ -251,9 +257,7 @@ class StreamOrderModel(TorchOnCpuExecutor):
 
     def _allocate(self, nbytes: int) -> Any:
         buffer = super()._allocate(nbytes)
-        self._keep.append(buffer)
-        address = self._address(buffer)
-        self._regions.append((address, address + nbytes, ("tables", address)))
+        self._keep.append(buffer)  # a staging half: `_stages` names it
         return buffer
 
     def _allocate_pinned(self, count: int) -> tuple[Any, Any]:
@@ -266,13 +270,27 @@ class StreamOrderModel(TorchOnCpuExecutor):
     def _stages(self, direction: Direction) -> tuple[int, int]:
         fresh = direction not in self._staging
         halves = super()._stages(direction)
-        if fresh:  # the two buffers just allocated are staging, not tables
+        if fresh:
             for half, address in enumerate(halves):
-                self._regions = [r for r in self._regions if r[0] != address]
                 self._regions.append(
                     (address, address + self._half_bytes, ("stage", direction, half))
                 )
         return halves
+
+    def _table_slot(self, ids: IdArray, table: IdArray, direction: Direction) -> Any:
+        """Log the host's writes, after whatever the host waited for first: the ref table into
+        each slot made meanwhile ("ref table"), then the job's block ids and slice table after
+        the ref table of the slot returned ("tables")."""
+        known = len(self._regions)
+        slot = super()._table_slot(ids, table, direction)
+        ref_bytes = self._planner.ref_table.nbytes
+        for base, _, resource in self._regions[known:]:
+            if resource[0] == "pinned":
+                written = self._access(base, ref_bytes, write=True)
+                self.trace.queue(Kind.HOST, None, label="ref table", accesses=[written])
+        written = self._access(slot.address + ref_bytes, 8 * (len(ids) + table.size), write=True)
+        self.trace.queue(Kind.HOST, None, job=self._job, label="tables", accesses=[written])
+        return slot
 
     def _access(self, address: int, nbytes: int, *, write: bool) -> Access:
         """Return the access to `nbytes` at `address` (a staging half counts as a whole)."""
@@ -311,10 +329,11 @@ class StreamOrderModel(TorchOnCpuExecutor):
             for direction, mine in getattr(self, f"_{name}").items():
                 if mine is event:
                     return f"{name} {direction.value}"
-        for direction, buffers in self._tables.items():
-            if buffers.uploaded is event:
-                return f"uploaded {direction.value}"
-        return f"timing event {event.serial}"
+        for direction, slots in self._tables.items():
+            for k, slot in enumerate(slots):
+                if slot.done is event:
+                    return f"slot {k} done {direction.value}"
+        return f"{'timing ' if event.timing else ''}event {event.serial}"
 
     def _check_alive(self, event: ModelEvent, use: str) -> None:
         if event.destroyed:
@@ -350,21 +369,9 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self._check_alive(event, "destroy")
         event.destroyed = True
 
-    def _upload(self, ids: Any, table: Any, direction: Direction) -> int:
-        self._uploading = True
-        try:
-            return super()._upload(ids, table, direction)
-        finally:
-            self._uploading = False
-
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        if self._uploading:  # the host has just written the ids and slice table it copies
-            ref_bytes = self._planner.ref_table.nbytes
-            if nbytes > ref_bytes:
-                written = self._access(src + ref_bytes, nbytes - ref_bytes, write=True)
-                self.trace.queue(Kind.HOST, None, job=self._job, accesses=[written])
         self.trace.queue(
-            Kind.UPLOAD if self._uploading else Kind.DMA,
+            Kind.DMA,
             stream,
             job=self._job,
             accesses=[
@@ -386,7 +393,17 @@ class StreamOrderModel(TorchOnCpuExecutor):
         to_stage: bool,
         blocks: int,
     ) -> None:
-        tables_end = segments + count * len(SLICE_FIELDS) * 8
+        # what the kernel reads: the whole ref table, its slice lines, and the block ids they
+        # span (the lines are in memory already: the host wrote them before the launch)
+        line_bytes = len(SLICE_FIELDS) * 8
+        lines = np.ctypeslib.as_array(
+            (ctypes.c_int64 * (count * len(SLICE_FIELDS))).from_address(segments)
+        ).reshape(count, len(SLICE_FIELDS))
+        fields = dict(zip(SLICE_FIELDS, lines.T, strict=True))
+        first_id, end_id = 0, 0
+        if count:
+            first_id = int(fields["id_offset"].min())
+            end_id = int((fields["id_offset"] + fields["count"]).max())
         self.trace.queue(
             Kind.KERNEL,
             stream,
@@ -394,7 +411,9 @@ class StreamOrderModel(TorchOnCpuExecutor):
             label="gather" if to_stage else "scatter",
             accesses=[
                 self._access(stage, 1, write=to_stage),
-                self._access(refs, tables_end - refs, write=False),
+                self._access(refs, self._planner.ref_table.nbytes, write=False),
+                self._access(ids + 8 * first_id, 8 * (end_id - first_id), write=False),
+                self._access(segments, count * line_bytes, write=False),
             ],
         )
         super()._launch_stage_copy(
@@ -413,8 +432,8 @@ class StreamOrderModel(TorchOnCpuExecutor):
 
 
 def unordered_conflicts(ops: Iterable[Op], kind: str) -> list[tuple[Op, Op]]:
-    """Return the pairs (earlier, later) of ops touching memory of `kind` ("stage", "tables",
-    "pinned") in a conflicting way that happens-before leaves unordered."""
+    """Return the pairs (earlier, later) of ops touching memory of `kind` ("stage", "pinned")
+    in a conflicting way that happens-before leaves unordered."""
     touching: dict[tuple[Any, ...], list[tuple[Op, Access]]] = defaultdict(list)
     for op in ops:
         for access in op.accesses:

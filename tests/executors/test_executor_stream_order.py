@@ -2,8 +2,10 @@
 
 `_stream_model.StreamOrderModel` runs the torch executor on CPU tensors and logs every CUDA
 operation it queues (streams as FIFO queues, waits capturing the record made before them, host
-syncs); happens-before is computed from the log. Random sequences of loads and stores, of 0, 1,
-2, 3 or many batches, some finished between submits and some not, must keep each hazard ordered.
+syncs and host writes), and the host's writes of a job's tables into a pinned table slot and its
+kernels' reads of them there; happens-before is computed from the log. Random sequences of loads
+and stores, of 0, 1, 2, 3 or many batches, some finished between submits and some not, must keep
+each hazard ordered.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from hypothesis import strategies as st
 
 from kvferry.core.plan import Direction, chunks_spanned
 from kvferry.executors import register_executor
+from kvferry.executors.staged import TABLE_SLOTS
 
 pytest.importorskip("torch")
 
@@ -74,8 +77,10 @@ class Scenario:
 
 
 @st.composite
-def _submits(draw: st.DrawFn, case: str, f: int, rows_per_half: int) -> Submit:
-    direction = draw(st.sampled_from(list(Direction)))
+def _submits(
+    draw: st.DrawFn, case: str, f: int, rows_per_half: int, directions: tuple[Direction, ...]
+) -> Submit:
+    direction = draw(st.sampled_from(directions))
     free = iter(draw(st.permutations(range(NUM_ROWS))))
     moves = []
     for _ in LAYOUT_CASES[case]:
@@ -99,13 +104,14 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     case = draw(st.sampled_from(CASES))
     f = draw(st.integers(1, 2))
     rows_per_half = draw(st.integers(1, 3))
-    step = st.one_of(
-        _submits(case, f, rows_per_half),
-        _submits(case, f, rows_per_half),
-        st.builds(Finish, st.integers(0, 7)),
-        st.just(Poll()),
-    )
-    return Scenario(case, f, rows_per_half, tuple(draw(st.lists(step, min_size=1, max_size=8))))
+    # mostly submits, at times of one direction only or with no wait before the close: a
+    # direction often has more jobs in flight than it has table slots
+    directions = draw(st.sampled_from([tuple(Direction), (Direction.STORE,), (Direction.LOAD,)]))
+    submit = _submits(case, f, rows_per_half, directions)
+    waits = st.one_of(st.builds(Finish, st.integers(0, 7)), st.just(Poll()))
+    step = draw(st.sampled_from([submit, st.one_of(submit, submit, submit, waits)]))
+    steps = draw(st.lists(step, min_size=1, max_size=3 * TABLE_SLOTS))
+    return Scenario(case, f, rows_per_half, tuple(steps))
 
 
 @functools.cache
@@ -150,31 +156,41 @@ def staging_races(model: StreamOrderModel) -> list[tuple[Op, Op]]:
     return unordered_conflicts(model.trace.ops, "stage")
 
 
-def kernels_before_their_upload(model: StreamOrderModel) -> list[tuple[Op, Op]]:
-    """A kernel not ordered after the upload of the tables it reads."""
-    found = []
-    for job in model.jobs.values():
-        (upload,) = [op for op in job.work if op.kind is Kind.UPLOAD]
-        found += [
-            (upload, op)
-            for op in job.work
-            if op.kind is Kind.KERNEL and not happens_before(upload, op)
-        ]
+def kernels_reading_tables_not_written_for_them(
+    model: StreamOrderModel,
+) -> list[tuple[Op | None, Op]]:
+    """A kernel reading table slot bytes whose last host write before it does not cover them,
+    is not ordered before it, or is neither a slot's ref table nor its own job's tables."""
+    writes = [op for op in model.trace.ops if op.kind is Kind.HOST]
+    found: list[tuple[Op | None, Op]] = []
+    for op in model.trace.ops:
+        reads = [a for a in op.accesses if a.resource[0] == "pinned" and not a.write]
+        if op.kind is Kind.KERNEL and not reads:
+            found.append((None, op))
+        for read in reads:
+            before = [w for w in writes if w.index < op.index]
+            last = [w for w in before if any(read.conflicts(a) for a in w.accesses)]
+            write = last[-1] if last else None
+            if not (
+                write is not None
+                and happens_before(write, op)
+                and (write.label == "ref table" or write.job == op.job)
+                and any(
+                    a.resource == read.resource and a.lo <= read.lo and read.hi <= a.hi
+                    for a in write.accesses
+                )
+            ):
+                found.append((write, op))
     return found
 
 
-def tables_overwritten_while_read(model: StreamOrderModel) -> list[tuple[Op, Op]]:
-    """An upload to the device tables not ordered after an earlier kernel that reads them."""
+def table_slots_rewritten_while_read(model: StreamOrderModel) -> list[tuple[Op, Op]]:
+    """A host write of a table slot not ordered after an earlier kernel that reads it."""
     return [
         (a, b)
-        for a, b in unordered_conflicts(model.trace.ops, "tables")
-        if a.kind is Kind.KERNEL and b.kind is Kind.UPLOAD
+        for a, b in unordered_conflicts(model.trace.ops, "pinned")
+        if a.kind is Kind.KERNEL and b.kind is Kind.HOST
     ]
-
-
-def pinned_tables_rewritten_while_uploading(model: StreamOrderModel) -> list[tuple[Op, Op]]:
-    """A host write of the pinned upload buffer not ordered after the upload that reads it."""
-    return unordered_conflicts(model.trace.ops, "pinned")
 
 
 def ops_outside_their_job(model: StreamOrderModel) -> list[tuple[Op, Op]]:
@@ -271,6 +287,35 @@ def test_a_host_sync_orders_everything_queued_after_it() -> None:
     assert happens_before(gather, _stage(101, trace, write=True))
 
 
+def _slot(trace: Trace, stream: int | None, *, write: bool) -> Op:
+    tables = Access(("pinned", 0), 0, 64, write)
+    return trace.queue(Kind.HOST if write else Kind.KERNEL, stream, accesses=[tables])
+
+
+def test_a_host_write_happens_before_everything_queued_after_it() -> None:
+    trace = Trace()
+    write = _slot(trace, None, write=True)
+    assert happens_before(write, _slot(trace, 100, write=False))
+    assert unordered_conflicts(trace.ops, "pinned") == []
+
+
+def test_the_model_flags_a_host_write_over_a_read_the_host_did_not_wait_for() -> None:
+    trace = Trace()
+    read = _slot(trace, 100, write=False)
+    trace.host_synchronizes(101)  # another stream: no wait for the read
+    write = _slot(trace, None, write=True)
+    assert unordered_conflicts(trace.ops, "pinned") == [(read, write)]
+
+
+def test_a_host_wait_on_a_record_after_a_read_orders_the_rewrite() -> None:
+    trace = Trace()
+    read = _slot(trace, 100, write=False)
+    trace.host_waits_for(trace.queue(Kind.RECORD, 100))
+    write = _slot(trace, None, write=True)
+    assert happens_before(read, write)
+    assert unordered_conflicts(trace.ops, "pinned") == []
+
+
 # --- the protocol, on random job sequences ------------------------------------------------------
 
 
@@ -282,24 +327,16 @@ def test_no_two_ops_race_on_a_staging_half(scenario: Scenario) -> None:
 
 @PROPERTY
 @given(scenarios())
-def test_kernels_read_the_device_tables_after_their_upload(scenario: Scenario) -> None:
-    _holds(kernels_before_their_upload, run(scenario))
+def test_kernels_read_their_jobs_tables_after_the_host_wrote_them(scenario: Scenario) -> None:
+    _holds(kernels_reading_tables_not_written_for_them, run(scenario))
 
 
 @PROPERTY
 @given(scenarios())
-def test_an_upload_never_overwrites_device_tables_an_earlier_kernel_reads(
+def test_the_host_rewrites_a_table_slot_only_after_the_kernels_that_read_it(
     scenario: Scenario,
 ) -> None:
-    _holds(tables_overwritten_while_read, run(scenario))
-
-
-@PROPERTY
-@given(scenarios())
-def test_the_host_rewrites_the_pinned_tables_only_after_their_last_upload(
-    scenario: Scenario,
-) -> None:
-    _holds(pinned_tables_rewritten_while_uploading, run(scenario))
+    _holds(table_slots_rewritten_while_read, run(scenario))
 
 
 @PROPERTY
@@ -348,6 +385,31 @@ def test_timing_events_reused_after_a_finish_capture_the_new_jobs_records() -> N
     _holds(ops_before_the_previous_job_of_their_direction, model)
 
 
+@pytest.mark.parametrize("batches", [0, 1, 2, 3])
+def test_a_direction_has_table_slots_jobs_in_flight_and_the_next_waits_for_the_first(
+    batches: int,
+) -> None:
+    # TABLE_SLOTS + 1 stores, none finished before the last is submitted, then a load
+    stores = tuple(_store(range(k, k + batches)) for k in range(TABLE_SLOTS + 1))
+    load = Submit(Direction.LOAD, (GroupMove(ids=(0,), first=0, rows=(0,)),), 2)
+    model = run(Scenario("mla", 1, 1, (*stores, load)))
+    jobs = [model.jobs[i] for i in range(TABLE_SLOTS + 1)]
+    writes = [job.tables for job in jobs]
+    slots = [write.accesses[0].resource for write in writes]
+    reads = [[op for op in job.work if op.kind is Kind.KERNEL] for job in jobs]
+    assert all(len(kernels) == batches for kernels in reads)
+    # each job in flight has a slot of its own, and writing it waited for no earlier job
+    assert len(set(slots[:TABLE_SLOTS])) == TABLE_SLOTS
+    for k, write in enumerate(writes[:TABLE_SLOTS]):
+        assert not any(happens_before(op, write) for job in jobs[:k] for op in job.work), k
+    # the next job takes the first one's slot once its kernels have run, and the load its own
+    assert slots[TABLE_SLOTS] == slots[0]
+    assert all(happens_before(op, writes[TABLE_SLOTS]) for op in reads[0])
+    assert model.jobs[TABLE_SLOTS + 1].tables.accesses[0].resource not in slots
+    _holds(table_slots_rewritten_while_read, model)
+    _holds(kernels_reading_tables_not_written_for_them, model)
+
+
 def _half(op: Op) -> tuple[object, ...]:
     (half,) = [a.resource for a in op.accesses if a.resource[0] == "stage"]
     return half
@@ -358,9 +420,8 @@ def test_consecutive_batches_of_a_job_run_on_two_lanes_and_may_overlap(batches: 
     model = run(Scenario("mla", 1, 1, (_store(range(batches)),)))
     job = model.jobs[0]
     assert job.batches == batches
-    copies = [op for op in job.work if op.kind is not Kind.UPLOAD]
     runs: list[list[Op]] = []
-    for op in copies:  # a batch: its kernel and DMAs, on one half
+    for op in job.work:  # a batch: its kernel and DMAs, on one half
         if runs and _half(runs[-1][0]) == _half(op):
             runs[-1].append(op)
         else:
