@@ -97,6 +97,7 @@ class StagedGpuExecutor(Executor):
             self._ready = {d: self._new_event() for d in Direction}
             self._joined = {d: self._new_event() for d in Direction}
             self._tail = {d: self._new_event() for d in Direction}
+            self._uploaded = self._new_event()
         self._lane_handles = {
             d: (self._stream_handle(pair[0]), self._stream_handle(pair[1]))
             for d, pair in self._lanes.items()
@@ -107,6 +108,8 @@ class StagedGpuExecutor(Executor):
         self._staging: dict[Direction, tuple[list[Any], tuple[int, int]]] = {}
         self._tables: dict[Direction, list[_TableSlot]] = {}
         self._next_slot: dict[Direction, int] = {}
+        self._load_tables: tuple[Any, int, int] | None = None
+        """A load's tables on the GPU: the buffer, its address, the int64 it holds."""
 
     # --- what a CUDA library provides ----------------------------------------------------------
 
@@ -266,9 +269,13 @@ class StagedGpuExecutor(Executor):
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
         slot = self._table_slot(ids, plan.table, direction)
         job = self._begin(direction, CopyPath.STAGED)
-        if len(plan) > 1:  # after what the first lane waited on
-            self._wait(lanes[1], job.start)
-        refs = slot.address
+        refs, ready = slot.address, job.start
+        if direction is Direction.LOAD:
+            refs, ready = self._upload(
+                slot, self._planner.ref_table.size + len(ids) + plan.table.size
+            )
+        if len(plan) > 1:  # after what the first lane waited on, and the upload
+            self._wait(lanes[1], ready)
         ids_address = refs + self._planner.ref_table.nbytes
         segments = ids_address + 8 * len(ids)
         line_bytes = plan.table.shape[1] * 8
@@ -302,11 +309,12 @@ class StagedGpuExecutor(Executor):
 
     def _table_slot(self, ids: IdArray, table: IdArray, direction: Direction) -> _TableSlot:
         """Write the ref table, `ids` and the slice `table` (int64), one after the other, into
-        the direction's next pinned table slot and return it; the job's kernels read them there.
+        the direction's next pinned table slot and return it.
 
-        The tables are read where the host wrote them, with no upload: an upload is a
-        host-to-device copy, and beside a load it would queue behind that load's DMAs on the copy
-        engines, holding the store back. Jobs take the `TABLE_SLOTS` slots in turn; a slot is
+        A store's kernels read their tables there, through the link's idle host-to-device
+        direction, with no upload: an upload is a host-to-device copy, and beside a load it
+        queued behind that load's DMAs on the copy engines, holding the store back (a load's are
+        copied to the GPU, see `_upload`). Jobs take the `TABLE_SLOTS` slots in turn; a slot is
         written again only once the job that last used it has ended (its `done` event; with a
         few jobs in flight, long since), and grows when a job needs more.
         """
@@ -327,6 +335,27 @@ class StagedGpuExecutor(Executor):
         slot.view[len(refs) : len(refs) + len(ids)] = ids
         slot.view[len(refs) + len(ids) : end] = table.ravel()
         return slot
+
+    def _upload(self, slot: _TableSlot, values: int) -> tuple[int, Any]:
+        """Copy a load's tables (the first `values` int64 of `slot`) to the GPU on the first
+        load lane; return their address there and the event recorded after the copy.
+
+        A load's kernels read their tables from GPU memory: read through the link, they would
+        compete with the load's own DMAs for the host-to-device direction (a store's read the
+        other, idle direction). The copy queues behind the previous load's DMAs, which the job
+        waits for anyway, and the one GPU buffer is free again by then.
+        """
+        first = self._lane_handles[Direction.LOAD][0]
+        if self._load_tables is None or self._load_tables[2] < values:
+            if self._load_tables is not None:  # grow: nothing may still read the old one
+                for lane in self._lanes[Direction.LOAD]:
+                    self._synchronize(lane)
+            buffer = self._allocate(max(values, 1 << 16) * 8)
+            self._load_tables = (buffer, self._address(buffer), max(values, 1 << 16))
+        address = self._load_tables[1]
+        self._memcpy(address, slot.address, values * 8, first)
+        self._record(self._uploaded, first)
+        return address, self._uploaded
 
     def _new_slot(self, values: int) -> _TableSlot:
         """Return a new table slot of at least `values` int64, the ref table written in."""
@@ -358,6 +387,7 @@ class StagedGpuExecutor(Executor):
         for event in (
             *self._ready.values(),
             *self._joined.values(),
+            self._uploaded,
             *self._tail.values(),
             *(slot.done for slots in self._tables.values() for slot in slots),
             *self._spare_events,
@@ -366,6 +396,7 @@ class StagedGpuExecutor(Executor):
         self._spare_events.clear()
         self._staging.clear()
         self._tables.clear()
+        self._load_tables = None
 
 
 @attrs.define(kw_only=True)
