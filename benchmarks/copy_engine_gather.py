@@ -59,6 +59,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvferry.executors.driver import CudaDriver
+
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
@@ -107,16 +109,8 @@ _BATCH_V12 = ctypes.CFUNCTYPE(
 """CUDA 12.8 ABI (`cuMemcpyBatchAsync`): the same with `size_t* failIdx` before hStream."""
 
 
-class _Driver(Protocol):
-    """What this script needs of `kvferry.executors.driver.CudaDriver`."""
-
-    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
-    def event(self, *, timing: bool) -> int: ...
-    def record(self, event: int, stream: int) -> None: ...
-    def wait(self, stream: int, event: int) -> None: ...
-    def done(self, event: int) -> bool: ...
-    def elapsed(self, start: int, end: int) -> float: ...
-    def destroy(self, event: int) -> None: ...
+_Driver = CudaDriver
+"""Events and `cuMemcpyAsync`: kvferry's own driver calls."""
 
 
 def _check(status: int, call: str) -> None:
@@ -124,64 +118,8 @@ def _check(status: int, call: str) -> None:
         raise RuntimeError(f"{call} failed with CUDA driver error {status}")
 
 
-class _LocalDriver:
-    """The same calls as kvferry's CudaDriver, for when kvferry is not importable."""
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, _P]
-        signatures: dict[str, list[Any]] = {
-            "cuEventCreate": [ctypes.POINTER(_P), ctypes.c_uint],
-            "cuEventRecord": [_P, _P],
-            "cuStreamWaitEvent": [_P, _P, ctypes.c_uint],
-            "cuEventQuery": [_P],
-            "cuEventSynchronize": [_P],
-            "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), _P, _P],
-            "cuEventDestroy_v2": [_P],
-        }
-        for name, argtypes in signatures.items():
-            getattr(lib, name).argtypes = argtypes
-        for name in (*signatures, "cuMemcpyAsync"):
-            getattr(lib, name).restype = ctypes.c_int
-        self._lib = lib
-
-    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        _check(self._lib.cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
-
-    def event(self, *, timing: bool) -> int:
-        handle = _P()
-        _check(self._lib.cuEventCreate(ctypes.byref(handle), 0 if timing else 2), "cuEventCreate")
-        return int(handle.value or 0)
-
-    def record(self, event: int, stream: int) -> None:
-        _check(self._lib.cuEventRecord(event, stream), "cuEventRecord")
-
-    def wait(self, stream: int, event: int) -> None:
-        _check(self._lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
-
-    def done(self, event: int) -> bool:
-        status = self._lib.cuEventQuery(event)
-        if status == 600:  # CUDA_ERROR_NOT_READY
-            return False
-        _check(status, "cuEventQuery")
-        return True
-
-    def elapsed(self, start: int, end: int) -> float:
-        _check(self._lib.cuEventSynchronize(end), "cuEventSynchronize")
-        ms = ctypes.c_float()
-        _check(self._lib.cuEventElapsedTime(ctypes.byref(ms), start, end), "cuEventElapsedTime")
-        return ms.value / 1000.0
-
-    def destroy(self, event: int) -> None:
-        _check(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
-
-
 def _load_driver() -> tuple[_Driver, str]:
-    """Return kvferry's CudaDriver (events, `cuMemcpyAsync`), or a local equivalent."""
-    try:
-        from kvferry.executors.driver import CudaDriver
-    except ImportError as error:
-        return _LocalDriver(), f"local ctypes wrapper (kvferry not importable: {error})"
+    """Return kvferry's CudaDriver and its name (for the report)."""
     return CudaDriver(), "kvferry.executors.driver.CudaDriver"
 
 
