@@ -11,12 +11,15 @@ the copies still happen, at once, in call order) whose CUDA primitives also log 
   True) makes every op queued afterwards, on any stream, happen after what the host waited for,
   and so does a host write (the host queues nothing before it has written).
 
-The host writes a job's tables into a pinned table slot (`_table_slot`) and the job's kernels
-read them there, through the mapping of pinned memory: the model logs the host's write of the
-slot and, for each kernel, its reads of the slot (the ref table, the block ids its slice lines
-use, and those lines). `happens_before` is the transitive closure of the edges above; every op
-carries the memory it touches (a staging half as a whole, a byte range of a pinned table slot, of
-the tier), so a hazard is two ops touching the same memory, one writing, that it does not order.
+The host writes a job's tables into a pinned table slot (`_table_slot`). A store's kernels read
+them there, through the mapping of pinned memory; a load's are first copied to the one GPU
+buffer of load tables (`_upload`: a memcpy on the first load lane, an UPLOAD op that reads the
+slot and writes the device tables) and its kernels read them there. The model logs the host's
+writes of the slot, each upload, and each kernel's reads of its tables (the ref table, the block
+ids its slice lines use, and those lines). `happens_before` is the transitive closure of the
+edges above; every op carries the memory it touches (a staging half as a whole, a byte range of
+a pinned table slot, of the device tables, of the tier), so a hazard is two ops touching the same
+memory, one writing, that it does not order.
 """
 
 from __future__ import annotations
@@ -48,15 +51,18 @@ class Kind(enum.Enum):
     """The engine's work on a compute stream (it writes the KV blocks of the next job)."""
     RECORD = "record"
     WAIT = "wait"
+    UPLOAD = "upload"
+    """The memcpy of a load's tables from its pinned table slot to the device tables."""
     DMA = "dma"
     """A memcpy between a staging half and the tier."""
     KERNEL = "kernel"
-    """A staging kernel launch (it reads its job's tables from a pinned table slot)."""
+    """A staging kernel launch (it reads its job's tables: a store's from its pinned table slot,
+    a load's from the device tables)."""
     HOST = "host"
     """The host writing a job's tables into a pinned table slot."""
 
 
-WORK = frozenset({Kind.DMA, Kind.KERNEL})
+WORK = frozenset({Kind.UPLOAD, Kind.DMA, Kind.KERNEL})
 """The ops that move a job's bytes (what must lie between its start and end records)."""
 
 
@@ -65,7 +71,8 @@ class Access:
     """Bytes `lo .. hi - 1` of `resource`, read or written."""
 
     resource: tuple[Any, ...]
-    """`("stage", direction, half)`, `("pinned", base)` (a table slot) or `("tier",)`."""
+    """`("stage", direction, half)`, `("pinned", base)` (a table slot), `("tables", base)` (the
+    device tables of loads) or `("tier",)`."""
     lo: int
     hi: int
     write: bool
@@ -172,6 +179,8 @@ class JobTrace:
     work: list[Op]
     tables: Op
     """The host's write of the job's block ids and slice table into its table slot."""
+    upload: Op | None = None
+    """A load's copy of its tables to the device tables (None for a store)."""
     timed: list[tuple[Op | None, Op]] = attrs.Factory(list)
     """What the host's waits on the job's timing events captured: (start or None, end)."""
 
@@ -196,6 +205,7 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self._job_ids: dict[int, int] = {}
         self._compute_op: Op | None = None
         self._batches = 0
+        self._uploading = False
         self._events = 0
         super().__init__(**options)
 
@@ -232,6 +242,7 @@ class StreamOrderModel(TorchOnCpuExecutor):
             end=end,
             work=[op for op in self.trace.ops[first:] if op.kind in WORK],
             tables=next(op for op in self.trace.ops[first:] if op.label == "tables"),
+            upload=next((op for op in self.trace.ops[first:] if op.kind is Kind.UPLOAD), None),
         )
         self._compute_op = None
         return handle
@@ -256,8 +267,13 @@ class StreamOrderModel(TorchOnCpuExecutor):
     # --- memory ------------------------------------------------------------------------------
 
     def _allocate(self, nbytes: int) -> Any:
+        """Allocate; within `_upload` the buffer is the device tables, else a staging half
+        (`_stages` names it)."""
         buffer = super()._allocate(nbytes)
-        self._keep.append(buffer)  # a staging half: `_stages` names it
+        self._keep.append(buffer)
+        if self._uploading:
+            address = self._address(buffer)
+            self._regions.append((address, address + nbytes, ("tables", address)))
         return buffer
 
     def _allocate_pinned(self, count: int) -> tuple[Any, Any]:
@@ -291,6 +307,14 @@ class StreamOrderModel(TorchOnCpuExecutor):
         written = self._access(slot.address + ref_bytes, 8 * (len(ids) + table.size), write=True)
         self.trace.queue(Kind.HOST, None, job=self._job, label="tables", accesses=[written])
         return slot
+
+    def _upload(self, slot: Any, values: int) -> tuple[int, Any]:
+        """Mark the allocation and the memcpy made here as the device tables and an upload."""
+        self._uploading = True
+        try:
+            return super()._upload(slot, values)
+        finally:
+            self._uploading = False
 
     def _access(self, address: int, nbytes: int, *, write: bool) -> Access:
         """Return the access to `nbytes` at `address` (a staging half counts as a whole)."""
@@ -329,6 +353,8 @@ class StreamOrderModel(TorchOnCpuExecutor):
             for direction, mine in getattr(self, f"_{name}").items():
                 if mine is event:
                     return f"{name} {direction.value}"
+        if event is self._uploaded:
+            return "uploaded"
         for direction, slots in self._tables.items():
             for k, slot in enumerate(slots):
                 if slot.done is event:
@@ -370,14 +396,18 @@ class StreamOrderModel(TorchOnCpuExecutor):
         event.destroyed = True
 
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        reads = [self._access(src, nbytes, write=False)]
+        if self._uploading:  # the slot's ref table, then the job's tables: two host writes
+            ref_bytes = self._planner.ref_table.nbytes
+            reads = [self._access(src, ref_bytes, write=False)]
+            if nbytes > ref_bytes:
+                reads.append(self._access(src + ref_bytes, nbytes - ref_bytes, write=False))
         self.trace.queue(
-            Kind.DMA,
+            Kind.UPLOAD if self._uploading else Kind.DMA,
             stream,
             job=self._job,
-            accesses=[
-                self._access(src, nbytes, write=False),
-                self._access(dst, nbytes, write=True),
-            ],
+            label="upload" if self._uploading else "",
+            accesses=[*reads, self._access(dst, nbytes, write=True)],
         )
         super()._memcpy(dst, src, nbytes, stream)
 
@@ -394,7 +424,8 @@ class StreamOrderModel(TorchOnCpuExecutor):
         blocks: int,
     ) -> None:
         # what the kernel reads: the whole ref table, its slice lines, and the block ids they
-        # span (the lines are in memory already: the host wrote them before the launch)
+        # span (the lines are in memory already: the host wrote them, and a load's upload
+        # copied them, before the launch)
         line_bytes = len(SLICE_FIELDS) * 8
         lines = np.ctypeslib.as_array(
             (ctypes.c_int64 * (count * len(SLICE_FIELDS))).from_address(segments)
@@ -432,8 +463,8 @@ class StreamOrderModel(TorchOnCpuExecutor):
 
 
 def unordered_conflicts(ops: Iterable[Op], kind: str) -> list[tuple[Op, Op]]:
-    """Return the pairs (earlier, later) of ops touching memory of `kind` ("stage", "pinned")
-    in a conflicting way that happens-before leaves unordered."""
+    """Return the pairs (earlier, later) of ops touching memory of `kind` ("stage", "pinned",
+    "tables") in a conflicting way that happens-before leaves unordered."""
     touching: dict[tuple[Any, ...], list[tuple[Op, Access]]] = defaultdict(list)
     for op in ops:
         for access in op.accesses:

@@ -2,10 +2,11 @@
 
 `_stream_model.StreamOrderModel` runs the torch executor on CPU tensors and logs every CUDA
 operation it queues (streams as FIFO queues, waits capturing the record made before them, host
-syncs and host writes), and the host's writes of a job's tables into a pinned table slot and its
-kernels' reads of them there; happens-before is computed from the log. Random sequences of loads
-and stores, of 0, 1, 2, 3 or many batches, some finished between submits and some not, must keep
-each hazard ordered.
+syncs and host writes), the host's writes of a job's tables into a pinned table slot, a load's
+upload of them to the device tables, and each kernel's reads of its tables (a store's in the
+slot, a load's in the device tables); happens-before is computed from the log. Random sequences
+of loads and stores, of 0, 1, 2, 3 or many batches, some finished between submits and some not,
+must keep each hazard ordered.
 """
 
 from __future__ import annotations
@@ -156,17 +157,30 @@ def staging_races(model: StreamOrderModel) -> list[tuple[Op, Op]]:
     return unordered_conflicts(model.trace.ops, "stage")
 
 
+TABLES_READ_BY = {Direction.STORE: "pinned", Direction.LOAD: "tables"}
+"""Where a job's kernels read its tables: a store's in its pinned slot, a load's on the GPU."""
+
+
 def kernels_reading_tables_not_written_for_them(
     model: StreamOrderModel,
 ) -> list[tuple[Op | None, Op]]:
-    """A kernel reading table slot bytes whose last host write before it does not cover them,
-    is not ordered before it, or is neither a slot's ref table nor its own job's tables."""
-    writes = [op for op in model.trace.ops if op.kind is Kind.HOST]
+    """A kernel reading no tables, or tables elsewhere than its direction's (`TABLES_READ_BY`);
+    or a read of tables (a kernel's, or a load's upload of its slot) whose last write before it
+    does not cover it, is not ordered before it, or is neither a slot's ref table nor written
+    for the reader's own job (the host's write of a slot, a load's upload to the device)."""
+    tables = set(TABLES_READ_BY.values())
+    writes = [
+        op
+        for op in model.trace.ops
+        if any(a.write and a.resource[0] in tables for a in op.accesses)
+    ]
     found: list[tuple[Op | None, Op]] = []
     for op in model.trace.ops:
-        reads = [a for a in op.accesses if a.resource[0] == "pinned" and not a.write]
-        if op.kind is Kind.KERNEL and not reads:
-            found.append((None, op))
+        reads = [a for a in op.accesses if a.resource[0] in tables and not a.write]
+        if op.kind is Kind.KERNEL:
+            where = TABLES_READ_BY[model.jobs[op.job].direction]
+            if not reads or any(a.resource[0] != where for a in reads):
+                found.append((None, op))
         for read in reads:
             before = [w for w in writes if w.index < op.index]
             last = [w for w in before if any(read.conflicts(a) for a in w.accesses)]
@@ -185,11 +199,21 @@ def kernels_reading_tables_not_written_for_them(
 
 
 def table_slots_rewritten_while_read(model: StreamOrderModel) -> list[tuple[Op, Op]]:
-    """A host write of a table slot not ordered after an earlier kernel that reads it."""
+    """A host write of a table slot not ordered after an earlier op that reads it (a store's
+    kernel, a load's upload)."""
     return [
         (a, b)
         for a, b in unordered_conflicts(model.trace.ops, "pinned")
-        if a.kind is Kind.KERNEL and b.kind is Kind.HOST
+        if a.kind in (Kind.KERNEL, Kind.UPLOAD) and b.kind is Kind.HOST
+    ]
+
+
+def device_tables_overwritten_while_read(model: StreamOrderModel) -> list[tuple[Op, Op]]:
+    """An upload to the device tables not ordered after an earlier load kernel that reads them."""
+    return [
+        (a, b)
+        for a, b in unordered_conflicts(model.trace.ops, "tables")
+        if a.kind is Kind.KERNEL and b.kind is Kind.UPLOAD
     ]
 
 
@@ -341,6 +365,14 @@ def test_the_host_rewrites_a_table_slot_only_after_the_kernels_that_read_it(
 
 @PROPERTY
 @given(scenarios())
+def test_an_upload_overwrites_the_device_tables_only_after_the_kernels_that_read_them(
+    scenario: Scenario,
+) -> None:
+    _holds(device_tables_overwritten_while_read, run(scenario))
+
+
+@PROPERTY
+@given(scenarios())
 def test_every_op_of_a_job_lies_between_its_start_and_end_records(scenario: Scenario) -> None:
     _holds(ops_outside_their_job, run(scenario))
 
@@ -430,3 +462,34 @@ def test_consecutive_batches_of_a_job_run_on_two_lanes_and_may_overlap(batches: 
     for k, (batch, following) in enumerate(itertools.pairwise(runs)):
         assert {op.stream for op in batch} != {op.stream for op in following}, k
         assert not happens_before(batch[-1], following[0]), k
+
+
+def _load(rows: range) -> Submit:
+    ids = tuple(range(rows.start, rows.stop))
+    return Submit(Direction.LOAD, (GroupMove(ids=ids, first=0, rows=tuple(rows)),), 2)
+
+
+@pytest.mark.parametrize("batches", [1, 2, 3])
+def test_a_load_uploads_its_tables_on_its_first_lane_and_its_kernels_read_that_copy(
+    batches: int,
+) -> None:
+    # two loads in flight: the second's upload overwrites the tables the first's kernels read
+    model = run(Scenario("mla", 1, 1, (_load(range(batches)), _load(range(batches, 2 * batches)))))
+    first, second = model.jobs[0], model.jobs[1]
+    for job in (first, second):
+        upload = job.upload
+        assert upload is not None and upload.stream == job.start.stream
+        assert happens_before(job.tables, upload)
+        (copy,) = [a for a in upload.accesses if a.write]
+        kernels = [op for op in job.work if op.kind is Kind.KERNEL]
+        assert len(kernels) == batches
+        assert len({op.stream for op in kernels}) == min(batches, 2)
+        for kernel in kernels:  # on either lane, after the upload, reading the copy
+            assert happens_before(upload, kernel)
+            reads = [a for a in kernel.accesses if a.resource[0] in TABLES_READ_BY.values()]
+            assert reads and all(
+                a.resource == copy.resource and copy.lo <= a.lo and a.hi <= copy.hi for a in reads
+            )
+    assert all(happens_before(op, second.upload) for op in first.work if op.kind is Kind.KERNEL)
+    _holds(kernels_reading_tables_not_written_for_them, model)
+    _holds(device_tables_overwritten_while_read, model)
