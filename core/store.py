@@ -290,12 +290,11 @@ def plan_store(
     check_count(num_computed_tokens, request=request, field="num_computed_tokens")
     check_count(num_scheduled_tokens, request=request, field="num_scheduled_tokens")
     check_count(num_tokens, request=request, field="num_tokens")
-    done: int = _stored_tokens(
-        min,
+    done = stored_tokens_after_step(
         config,
-        prompt=state.num_prompt_tokens,
-        computed=num_computed_tokens,
-        scheduled=num_scheduled_tokens,
+        state,
+        num_computed_tokens=num_computed_tokens,
+        num_scheduled_tokens=num_scheduled_tokens,
         num_tokens=num_tokens,
     )
     f = config.blocks_per_chunk
