@@ -20,8 +20,6 @@ from kvferry.executors.base import CopyPath
 from kvferry.executors.host import HostRegistrar
 from kvferry.executors.kernels import (
     PIECE_BYTES,
-    STAGE_COPY_NAME,
-    STAGE_COPY_SOURCE,
     THREADS,
     ZERO_COPY_NAME,
     ZERO_COPY_SOURCE,
@@ -122,7 +120,8 @@ class CupyExecutor(StagedGpuExecutor):
         )
         with self._on_device():
             self._compute_stream = self._as_stream(compute_stream)
-            self._stage_kernel = cupy.RawKernel(STAGE_COPY_SOURCE, STAGE_COPY_NAME)
+            self._kernels: list[Any] = []
+            """The `RawKernel`s compiled for the staged path (their modules live as they do)."""
             self._zero_copy_kernel = cupy.RawKernel(ZERO_COPY_SOURCE, ZERO_COPY_NAME)
         self._copy_path = copy_path
         self._zero_copy_blocks = zero_copy_blocks
@@ -176,8 +175,12 @@ class CupyExecutor(StagedGpuExecutor):
     def _address(self, buffer: Any) -> int:
         return int(buffer.data.ptr)
 
-    def _stage_function(self) -> Any:
-        return self._stage_kernel.kernel.ptr
+    def _kernel_function(self, source: str, name: str) -> Any:
+        with self._on_device():
+            kernel = self._cupy.RawKernel(source, name)
+            function = kernel.kernel.ptr
+        self._kernels.append(kernel)
+        return function
 
     def _synchronize(self, stream: Any) -> None:
         stream.synchronize()

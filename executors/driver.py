@@ -11,10 +11,11 @@ libraries still own the streams, the memory and the compiled kernels.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 from kvferry.core.errors import ExecutorUnavailableError
-from kvferry.executors.kernels import PIECE_BYTES, THREADS
+from kvferry.executors.kernels import THREADS
 
 
 class CudaDriver:
@@ -120,55 +121,29 @@ class CudaDriver:
         _check(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
 
 
-class StageCopyLauncher:
-    """Launches the staging kernel (`kernels.STAGE_COPY_SOURCE`) with argument holders made once.
+class KernelLauncher:
+    """Launches one compiled kernel, on `THREADS`-thread blocks, with its argument holders made
+    once: a launch sets their values and makes one driver call.
 
     Not thread-safe: one executor launches from one thread at a time.
     """
 
-    def __init__(self, driver: CudaDriver, function: Any) -> None:
+    def __init__(
+        self, driver: CudaDriver, function: Any, arguments: Sequence[type[ctypes._SimpleCData[Any]]]
+    ) -> None:
+        """`arguments`: the ctypes type of each kernel parameter, in order."""
         self._launch = driver.library.cuLaunchKernel
         self._function = function
-        self._segments = ctypes.c_uint64()
-        self._count = ctypes.c_int()
-        self._refs = ctypes.c_uint64()
-        self._ids = ctypes.c_uint64()
-        self._stage = ctypes.c_uint64()
-        self._to_stage = ctypes.c_int()
-        self._piece = ctypes.c_int(PIECE_BYTES)
-        holders = (
-            self._segments,
-            self._count,
-            self._refs,
-            self._ids,
-            self._stage,
-            self._to_stage,
-            self._piece,
-        )
-        self._params = (ctypes.c_void_p * len(holders))(
-            *(ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders)
+        self._holders = tuple(kind() for kind in arguments)
+        self._params = (ctypes.c_void_p * len(self._holders))(
+            *(ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in self._holders)
         )
 
-    def __call__(
-        self,
-        *,
-        segments: int,
-        count: int,
-        refs: int,
-        ids: int,
-        stage: int,
-        to_stage: bool,
-        blocks: int,
-        stream: int,
-    ) -> None:
-        """Launch over `count` slice lines at address `segments`, with the ref table at `refs`
-        (see the kernel source)."""
-        self._segments.value = segments
-        self._count.value = count
-        self._refs.value = refs
-        self._ids.value = ids
-        self._stage.value = stage
-        self._to_stage.value = int(to_stage)
+    def __call__(self, *values: int, blocks: int, stream: int) -> None:
+        """Launch on `blocks` thread blocks on raw stream `stream`, the parameters set to
+        `values`."""
+        for holder, value in zip(self._holders, values, strict=True):
+            holder.value = value
         status = self._launch(
             self._function, blocks, 1, 1, THREADS, 1, 1, 0, stream, self._params, None
         )

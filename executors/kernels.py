@@ -93,6 +93,21 @@ STAGE_COPY_SOURCE = (
 `to_stage` 1 gathers (store), 0 scatters (load). One warp per piece of a page, grid stride; the
 page addresses come from the slice table, the ref table and the block ids, never from the host."""
 
+TABLE_COPY_NAME = "kvferry_copy_table"
+
+TABLE_COPY_SOURCE = r"""
+extern "C" __global__ void kvferry_copy_table(
+    const long long* __restrict__ src, long long* __restrict__ dst, const long long n) {
+    // one int64 per thread, grid stride: a job's tables are a few KiB to a few hundred KiB
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        dst[i] = src[i];
+}
+"""
+"""Copies `n` int64 from `src` (a pinned table slot, read through the link) to `dst` (GPU
+memory): the staged path's upload of a job's tables. A kernel, not a copy-engine DMA, so that
+it does not queue behind the DMAs of the other jobs in flight."""
+
 ZERO_COPY_NAME = "kvferry_copy"
 
 ZERO_COPY_SOURCE = r"""

@@ -13,6 +13,7 @@ and compiled kernel; the per-batch calls go through the CUDA driver.
 from __future__ import annotations
 
 import abc
+import ctypes
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -24,8 +25,16 @@ from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.plan import Direction
 from kvferry.executors.base import CopyPath, Executor
-from kvferry.executors.driver import CudaDriver, StageCopyLauncher
-from kvferry.executors.kernels import PIECE_BYTES, WARPS
+from kvferry.executors.driver import CudaDriver, KernelLauncher
+from kvferry.executors.kernels import (
+    PIECE_BYTES,
+    STAGE_COPY_NAME,
+    STAGE_COPY_SOURCE,
+    TABLE_COPY_NAME,
+    TABLE_COPY_SOURCE,
+    THREADS,
+    WARPS,
+)
 from kvferry.executors.staging import StagePlanner
 from kvferry.executors.tensors import KVTensor
 
@@ -36,6 +45,17 @@ half the submit time went to per-batch calls (docs/benchmarks.md)."""
 
 TABLE_SLOTS = 4
 """Pinned table buffers per direction, taken by jobs in turn (see `_table_slot`)."""
+
+_STAGE_COPY_ARGUMENTS = (
+    ctypes.c_uint64,  # slice lines
+    ctypes.c_int,  # their count
+    ctypes.c_uint64,  # ref table
+    ctypes.c_uint64,  # block ids
+    ctypes.c_uint64,  # staging half
+    ctypes.c_int,  # to_stage
+    ctypes.c_int,  # piece bytes
+)
+_TABLE_COPY_ARGUMENTS = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_longlong)
 
 DEFAULT_COPY_BLOCKS = 128
 """Thread blocks of a staging kernel launch: enough for HBM speed, far fewer than a full GPU."""
@@ -83,7 +103,7 @@ class StagedGpuExecutor(Executor):
             tier_piece_bytes=0 if len(self.host_tier.pieces) == 1 else self.host_tier.piece_bytes,
         )
         self._driver: CudaDriver | None = None
-        self._launcher: StageCopyLauncher | None = None
+        self._launchers: dict[str, KernelLauncher] = {}
         with self._on_device():
             self._lanes = {
                 d: (
@@ -97,7 +117,7 @@ class StagedGpuExecutor(Executor):
             self._ready = {d: self._new_event() for d in Direction}
             self._joined = {d: self._new_event() for d in Direction}
             self._tail = {d: self._new_event() for d in Direction}
-            self._uploaded = self._new_event()
+            self._uploaded = {d: self._new_event() for d in Direction}
         self._lane_handles = {
             d: (self._stream_handle(pair[0]), self._stream_handle(pair[1]))
             for d, pair in self._lanes.items()
@@ -108,8 +128,9 @@ class StagedGpuExecutor(Executor):
         self._staging: dict[Direction, tuple[list[Any], tuple[int, int]]] = {}
         self._tables: dict[Direction, list[_TableSlot]] = {}
         self._next_slot: dict[Direction, int] = {}
-        self._load_tables: tuple[Any, int, int] | None = None
-        """A load's tables on the GPU: the buffer, its address, the int64 it holds."""
+        self._device_tables: dict[Direction, tuple[Any, int, int]] = {}
+        """Per direction, where its jobs' tables are copied on the GPU: the buffer, its address,
+        the int64 it holds."""
 
     # --- what a CUDA library provides ----------------------------------------------------------
 
@@ -143,8 +164,9 @@ class StagedGpuExecutor(Executor):
         """Return the device address of a GPU buffer's first byte."""
 
     @abc.abstractmethod
-    def _stage_function(self) -> Any:
-        """Return the `CUfunction` of `kernels.STAGE_COPY_SOURCE`, compiled on first use."""
+    def _kernel_function(self, source: str, name: str) -> Any:
+        """Return the `CUfunction` of kernel `name` in CUDA C `source` (compiled here: the
+        executor asks once per kernel)."""
 
     @abc.abstractmethod
     def _synchronize(self, stream: Any) -> None:
@@ -204,18 +226,35 @@ class StagedGpuExecutor(Executor):
         """Launch `kernels.STAGE_COPY_SOURCE` on raw stream `stream` over the `count` slice
         lines at address `segments`, with the ref table at `refs`, the block ids at `ids` and
         the staging half at `stage`."""
-        if self._launcher is None:
-            self._launcher = StageCopyLauncher(self._cuda(), self._stage_function())
-        self._launcher(
-            segments=segments,
-            count=count,
-            refs=refs,
-            ids=ids,
-            stage=stage,
-            to_stage=to_stage,
+        self._launcher(STAGE_COPY_SOURCE, STAGE_COPY_NAME, _STAGE_COPY_ARGUMENTS)(
+            segments,
+            count,
+            refs,
+            ids,
+            stage,
+            int(to_stage),
+            PIECE_BYTES,
             blocks=blocks,
             stream=stream,
         )
+
+    def _copy_table(self, dst: int, src: int, count: int, stream: int) -> None:
+        """Queue the copy of `count` int64 from pinned `src` to GPU `dst` on raw stream `stream`,
+        with `kernels.TABLE_COPY_SOURCE` (see `_upload`)."""
+        blocks = max(1, min(-(-count // THREADS), self._copy_blocks))
+        self._launcher(TABLE_COPY_SOURCE, TABLE_COPY_NAME, _TABLE_COPY_ARGUMENTS)(
+            src, dst, count, blocks=blocks, stream=stream
+        )
+
+    def _launcher(
+        self, source: str, name: str, arguments: Sequence[type[ctypes._SimpleCData[Any]]]
+    ) -> KernelLauncher:
+        """Return the launcher of kernel `name` (compiled on first use)."""
+        launcher = self._launchers.get(name)
+        if launcher is None:
+            launcher = KernelLauncher(self._cuda(), self._kernel_function(source, name), arguments)
+            self._launchers[name] = launcher
+        return launcher
 
     # --- the shared path -------------------------------------------------------------------------
 
@@ -269,11 +308,9 @@ class StagedGpuExecutor(Executor):
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
         slot = self._table_slot(ids, plan.table, direction)
         job = self._begin(direction, CopyPath.STAGED)
-        refs, ready = slot.address, job.start
-        if direction is Direction.LOAD:
-            refs, ready = self._upload(
-                slot, self._planner.ref_table.size + len(ids) + plan.table.size
-            )
+        refs, ready = self._upload(
+            slot, self._planner.ref_table.size + len(ids) + plan.table.size, direction
+        )
         if len(plan) > 1:  # after what the first lane waited on, and the upload
             self._wait(lanes[1], ready)
         ids_address = refs + self._planner.ref_table.nbytes
@@ -303,20 +340,17 @@ class StagedGpuExecutor(Executor):
             if not store and launch["count"]:  # copy in, then scatter
                 self._launch_stage_copy(lane, **launch)
         last = self._end(direction, job, len(plan))
-        self._record(slot.done, last)  # the slot's tables are read until here
+        self._record(slot.done, last)  # after the upload that read the slot
         slot.pending = True
         return job
 
     def _table_slot(self, ids: IdArray, table: IdArray, direction: Direction) -> _TableSlot:
         """Write the ref table, `ids` and the slice `table` (int64), one after the other, into
-        the direction's next pinned table slot and return it.
+        the direction's next pinned table slot and return it (`_upload` copies it to the GPU).
 
-        A store's kernels read their tables there, through the link's idle host-to-device
-        direction, with no upload: an upload is a host-to-device copy, and beside a load it
-        queued behind that load's DMAs on the copy engines, holding the store back (a load's are
-        copied to the GPU, see `_upload`). Jobs take the `TABLE_SLOTS` slots in turn; a slot is
-        written again only once the job that last used it has ended (its `done` event; with a
-        few jobs in flight, long since), and grows when a job needs more.
+        Jobs take the `TABLE_SLOTS` slots in turn; a slot is written again only once the job
+        that last used it has ended (its `done` event; with a few jobs in flight, long since),
+        and grows when a job needs more.
         """
         refs = self._planner.ref_table.ravel()
         end = len(refs) + len(ids) + table.size
@@ -336,26 +370,31 @@ class StagedGpuExecutor(Executor):
         slot.view[len(refs) + len(ids) : end] = table.ravel()
         return slot
 
-    def _upload(self, slot: _TableSlot, values: int) -> tuple[int, Any]:
-        """Copy a load's tables (the first `values` int64 of `slot`) to the GPU on the first
-        load lane; return their address there and the event recorded after the copy.
+    def _upload(self, slot: _TableSlot, values: int, direction: Direction) -> tuple[int, Any]:
+        """Copy a job's tables (the first `values` int64 of `slot`) to its direction's GPU
+        tables on the direction's first lane; return their address there and the event recorded
+        after the copy.
 
-        A load's kernels read their tables from GPU memory: read through the link, they would
-        compete with the load's own DMAs for the host-to-device direction (a store's read the
-        other, idle direction). The copy queues behind the previous load's DMAs, which the job
-        waits for anyway, and the one GPU buffer is free again by then.
+        The kernels read their tables from GPU memory: read from pinned memory, every warp's
+        lookups would cross the link, which is busy with the job's own DMAs (a store's 4 KiB
+        pages ran at 0.90-0.95 of the link that way, 0.97-0.99 from a GPU copy). The copy is a
+        kernel (`_copy_table`), not a DMA: a host-to-device DMA queues on the copy engines
+        behind the load DMAs in flight, which held stores back when both directions ran. It
+        runs after the previous job of the direction, which the first lane waits for, so the
+        one buffer per direction is free again by then.
         """
-        first = self._lane_handles[Direction.LOAD][0]
-        if self._load_tables is None or self._load_tables[2] < values:
-            if self._load_tables is not None:  # grow: nothing may still read the old one
-                for lane in self._lanes[Direction.LOAD]:
+        first = self._lane_handles[direction][0]
+        tables = self._device_tables.get(direction)
+        if tables is None or tables[2] < values:
+            if tables is not None:  # grow: nothing may still read the old one
+                for lane in self._lanes[direction]:
                     self._synchronize(lane)
-            buffer = self._allocate(max(values, 1 << 16) * 8)
-            self._load_tables = (buffer, self._address(buffer), max(values, 1 << 16))
-        address = self._load_tables[1]
-        self._memcpy(address, slot.address, values * 8, first)
-        self._record(self._uploaded, first)
-        return address, self._uploaded
+            capacity = max(values, 1 << 16)
+            buffer = self._allocate(capacity * 8)
+            tables = self._device_tables[direction] = (buffer, self._address(buffer), capacity)
+        self._copy_table(tables[1], slot.address, values, first)
+        self._record(self._uploaded[direction], first)
+        return tables[1], self._uploaded[direction]
 
     def _new_slot(self, values: int) -> _TableSlot:
         """Return a new table slot of at least `values` int64, the ref table written in."""
@@ -387,7 +426,7 @@ class StagedGpuExecutor(Executor):
         for event in (
             *self._ready.values(),
             *self._joined.values(),
-            self._uploaded,
+            *self._uploaded.values(),
             *self._tail.values(),
             *(slot.done for slots in self._tables.values() for slot in slots),
             *self._spare_events,
@@ -396,7 +435,7 @@ class StagedGpuExecutor(Executor):
         self._spare_events.clear()
         self._staging.clear()
         self._tables.clear()
-        self._load_tables = None
+        self._device_tables.clear()
 
 
 @attrs.define(kw_only=True)

@@ -17,7 +17,6 @@ from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import ExecutorUnavailableError
 from kvferry.executors.base import CopyPath
 from kvferry.executors.host import HostRegistrar
-from kvferry.executors.kernels import STAGE_COPY_NAME, STAGE_COPY_SOURCE
 from kvferry.executors.staged import (
     DEFAULT_COPY_BLOCKS,
     DEFAULT_STAGING_BYTES,
@@ -60,7 +59,7 @@ class TorchRegistrar:
 
 
 class TorchExecutor(StagedGpuExecutor):
-    """The staged path (`executors.staged`) on torch streams and memory; the staging kernel is
+    """The staged path (`executors.staged`) on torch streams and memory; its kernels are
     compiled with NVRTC through `torch.cuda._compile_kernel` on first use."""
 
     name = "torch"
@@ -137,8 +136,8 @@ class TorchExecutor(StagedGpuExecutor):
     def _address(self, buffer: Any) -> int:
         return int(buffer.data_ptr())
 
-    def _stage_function(self) -> Any:
-        return self._torch.cuda._compile_kernel(STAGE_COPY_SOURCE, STAGE_COPY_NAME).func
+    def _kernel_function(self, source: str, name: str) -> Any:
+        return self._torch.cuda._compile_kernel(source, name).func
 
     def _synchronize(self, stream: Any) -> None:
         stream.synchronize()

@@ -11,10 +11,10 @@ the copies still happen, at once, in call order) whose CUDA primitives also log 
   True) makes every op queued afterwards, on any stream, happen after what the host waited for,
   and so does a host write (the host queues nothing before it has written).
 
-The host writes a job's tables into a pinned table slot (`_table_slot`). A store's kernels read
-them there, through the mapping of pinned memory; a load's are first copied to the one GPU
-buffer of load tables (`_upload`: a memcpy on the first load lane, an UPLOAD op that reads the
-slot and writes the device tables) and its kernels read them there. The model logs the host's
+The host writes a job's tables into a pinned table slot (`_table_slot`); they are then copied to
+its direction's one GPU buffer of tables (`_upload`: a table-copy kernel on the direction's first
+lane, an UPLOAD op that reads the slot and writes the device tables), and the job's kernels read
+them there. The model logs the host's
 writes of the slot, each upload, and each kernel's reads of its tables (the ref table, the block
 ids its slice lines use, and those lines). `happens_before` is the transitive closure of the
 edges above; every op carries the memory it touches (a staging half as a whole, a byte range of
@@ -52,12 +52,11 @@ class Kind(enum.Enum):
     RECORD = "record"
     WAIT = "wait"
     UPLOAD = "upload"
-    """The memcpy of a load's tables from its pinned table slot to the device tables."""
+    """The copy of a job's tables from its pinned table slot to its direction's device tables."""
     DMA = "dma"
     """A memcpy between a staging half and the tier."""
     KERNEL = "kernel"
-    """A staging kernel launch (it reads its job's tables: a store's from its pinned table slot,
-    a load's from the device tables)."""
+    """A staging kernel launch (it reads its job's tables from its direction's device tables)."""
     HOST = "host"
     """The host writing a job's tables into a pinned table slot."""
 
@@ -71,8 +70,8 @@ class Access:
     """Bytes `lo .. hi - 1` of `resource`, read or written."""
 
     resource: tuple[Any, ...]
-    """`("stage", direction, half)`, `("pinned", base)` (a table slot), `("tables", base)` (the
-    device tables of loads) or `("tier",)`."""
+    """`("stage", direction, half)`, `("pinned", base)` (a table slot), `("tables", base)` (a
+    direction's device tables) or `("tier",)`."""
     lo: int
     hi: int
     write: bool
@@ -180,7 +179,7 @@ class JobTrace:
     tables: Op
     """The host's write of the job's block ids and slice table into its table slot."""
     upload: Op | None = None
-    """A load's copy of its tables to the device tables (None for a store)."""
+    """The copy of its tables to the device tables (None only if the job queued none)."""
     timed: list[tuple[Op | None, Op]] = attrs.Factory(list)
     """What the host's waits on the job's timing events captured: (start or None, end)."""
 
@@ -308,11 +307,11 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self.trace.queue(Kind.HOST, None, job=self._job, label="tables", accesses=[written])
         return slot
 
-    def _upload(self, slot: Any, values: int) -> tuple[int, Any]:
-        """Mark the allocation and the memcpy made here as the device tables and an upload."""
+    def _upload(self, slot: Any, values: int, direction: Direction) -> tuple[int, Any]:
+        """Mark the allocation made here as device tables."""
         self._uploading = True
         try:
-            return super()._upload(slot, values)
+            return super()._upload(slot, values, direction)
         finally:
             self._uploading = False
 
@@ -349,12 +348,10 @@ class StreamOrderModel(TorchOnCpuExecutor):
         return event
 
     def _label(self, event: ModelEvent) -> str:
-        for name in ("ready", "joined", "tail"):
+        for name in ("ready", "joined", "tail", "uploaded"):
             for direction, mine in getattr(self, f"_{name}").items():
                 if mine is event:
                     return f"{name} {direction.value}"
-        if event is self._uploaded:
-            return "uploaded"
         for direction, slots in self._tables.items():
             for k, slot in enumerate(slots):
                 if slot.done is event:
@@ -396,20 +393,31 @@ class StreamOrderModel(TorchOnCpuExecutor):
         event.destroyed = True
 
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        reads = [self._access(src, nbytes, write=False)]
-        if self._uploading:  # the slot's ref table, then the job's tables: two host writes
-            ref_bytes = self._planner.ref_table.nbytes
-            reads = [self._access(src, ref_bytes, write=False)]
-            if nbytes > ref_bytes:
-                reads.append(self._access(src + ref_bytes, nbytes - ref_bytes, write=False))
         self.trace.queue(
-            Kind.UPLOAD if self._uploading else Kind.DMA,
+            Kind.DMA,
             stream,
             job=self._job,
-            label="upload" if self._uploading else "",
-            accesses=[*reads, self._access(dst, nbytes, write=True)],
+            accesses=[
+                self._access(src, nbytes, write=False),
+                self._access(dst, nbytes, write=True),
+            ],
         )
         super()._memcpy(dst, src, nbytes, stream)
+
+    def _copy_table(self, dst: int, src: int, count: int, stream: int) -> None:
+        # it reads the slot's ref table and the job's tables: two host writes
+        ref_bytes = self._planner.ref_table.nbytes
+        reads = [self._access(src, ref_bytes, write=False)]
+        if 8 * count > ref_bytes:
+            reads.append(self._access(src + ref_bytes, 8 * count - ref_bytes, write=False))
+        self.trace.queue(
+            Kind.UPLOAD,
+            stream,
+            job=self._job,
+            label="upload",
+            accesses=[*reads, self._access(dst, 8 * count, write=True)],
+        )
+        super()._copy_table(dst, src, count, stream)
 
     def _launch_stage_copy(
         self,
@@ -424,8 +432,8 @@ class StreamOrderModel(TorchOnCpuExecutor):
         blocks: int,
     ) -> None:
         # what the kernel reads: the whole ref table, its slice lines, and the block ids they
-        # span (the lines are in memory already: the host wrote them, and a load's upload
-        # copied them, before the launch)
+        # span (the lines are in memory already: the host wrote them, and the upload copied
+        # them, before the launch)
         line_bytes = len(SLICE_FIELDS) * 8
         lines = np.ctypeslib.as_array(
             (ctypes.c_int64 * (count * len(SLICE_FIELDS))).from_address(segments)

@@ -179,6 +179,10 @@ class TorchOnCpuExecutor(TorchExecutor):
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 
+    def _copy_table(self, dst: int, src: int, count: int, stream: int) -> None:
+        """Do the table-copy kernel's work: `count` int64 from `src` to `dst`."""
+        ctypes.memmove(dst, src, 8 * count)
+
 
 def _int64s(address: int, lines: int, width: int) -> np.ndarray:
     """Return the `lines` x `width` int64 table at `address` (a view of that memory)."""

@@ -2,9 +2,9 @@
 
 `_stream_model.StreamOrderModel` runs the torch executor on CPU tensors and logs every CUDA
 operation it queues (streams as FIFO queues, waits capturing the record made before them, host
-syncs and host writes), the host's writes of a job's tables into a pinned table slot, a load's
-upload of them to the device tables, and each kernel's reads of its tables (a store's in the
-slot, a load's in the device tables); happens-before is computed from the log. Random sequences
+syncs and host writes), the host's writes of a job's tables into a pinned table slot, their
+upload to the direction's device tables, and each kernel's reads of its tables there;
+happens-before is computed from the log. Random sequences
 of loads and stores, of 0, 1, 2, 3 or many batches, some finished between submits and some not,
 must keep each hazard ordered.
 """
@@ -157,18 +157,19 @@ def staging_races(model: StreamOrderModel) -> list[tuple[Op, Op]]:
     return unordered_conflicts(model.trace.ops, "stage")
 
 
-TABLES_READ_BY = {Direction.STORE: "pinned", Direction.LOAD: "tables"}
-"""Where a job's kernels read its tables: a store's in its pinned slot, a load's on the GPU."""
+TABLE_MEMORY = ("pinned", "tables")
+"""Where a job's tables lie: its pinned table slot, then (uploaded) its direction's device
+tables, which its kernels read."""
 
 
 def kernels_reading_tables_not_written_for_them(
     model: StreamOrderModel,
 ) -> list[tuple[Op | None, Op]]:
-    """A kernel reading no tables, or tables elsewhere than its direction's (`TABLES_READ_BY`);
-    or a read of tables (a kernel's, or a load's upload of its slot) whose last write before it
-    does not cover it, is not ordered before it, or is neither a slot's ref table nor written
-    for the reader's own job (the host's write of a slot, a load's upload to the device)."""
-    tables = set(TABLES_READ_BY.values())
+    """A kernel reading no tables, or tables elsewhere than in device tables; or a read of
+    tables (a kernel's, or an upload's of its slot) whose last write before it does not cover
+    it, is not ordered before it, or is neither a slot's ref table nor written for the reader's
+    own job (the host's write of a slot, the job's upload to the device)."""
+    tables = set(TABLE_MEMORY)
     writes = [
         op
         for op in model.trace.ops
@@ -177,10 +178,8 @@ def kernels_reading_tables_not_written_for_them(
     found: list[tuple[Op | None, Op]] = []
     for op in model.trace.ops:
         reads = [a for a in op.accesses if a.resource[0] in tables and not a.write]
-        if op.kind is Kind.KERNEL:
-            where = TABLES_READ_BY[model.jobs[op.job].direction]
-            if not reads or any(a.resource[0] != where for a in reads):
-                found.append((None, op))
+        if op.kind is Kind.KERNEL and (not reads or any(a.resource[0] != "tables" for a in reads)):
+            found.append((None, op))
         for read in reads:
             before = [w for w in writes if w.index < op.index]
             last = [w for w in before if any(read.conflicts(a) for a in w.accesses)]
@@ -199,8 +198,8 @@ def kernels_reading_tables_not_written_for_them(
 
 
 def table_slots_rewritten_while_read(model: StreamOrderModel) -> list[tuple[Op, Op]]:
-    """A host write of a table slot not ordered after an earlier op that reads it (a store's
-    kernel, a load's upload)."""
+    """A host write of a table slot not ordered after an earlier op that reads it (an upload;
+    a kernel, were one to read the slot)."""
     return [
         (a, b)
         for a, b in unordered_conflicts(model.trace.ops, "pinned")
@@ -209,7 +208,7 @@ def table_slots_rewritten_while_read(model: StreamOrderModel) -> list[tuple[Op, 
 
 
 def device_tables_overwritten_while_read(model: StreamOrderModel) -> list[tuple[Op, Op]]:
-    """An upload to the device tables not ordered after an earlier load kernel that reads them."""
+    """An upload to device tables not ordered after an earlier kernel that reads them."""
     return [
         (a, b)
         for a, b in unordered_conflicts(model.trace.ops, "tables")
@@ -453,7 +452,8 @@ def test_consecutive_batches_of_a_job_run_on_two_lanes_and_may_overlap(batches: 
     job = model.jobs[0]
     assert job.batches == batches
     runs: list[list[Op]] = []
-    for op in job.work:  # a batch: its kernel and DMAs, on one half
+    batch_ops = [op for op in job.work if op.kind is not Kind.UPLOAD]
+    for op in batch_ops:  # a batch: its kernel and DMAs, on one half
         if runs and _half(runs[-1][0]) == _half(op):
             runs[-1].append(op)
         else:
@@ -464,17 +464,19 @@ def test_consecutive_batches_of_a_job_run_on_two_lanes_and_may_overlap(batches: 
         assert not happens_before(batch[-1], following[0]), k
 
 
-def _load(rows: range) -> Submit:
+def _job(direction: Direction, rows: range) -> Submit:
     ids = tuple(range(rows.start, rows.stop))
-    return Submit(Direction.LOAD, (GroupMove(ids=ids, first=0, rows=tuple(rows)),), 2)
+    return Submit(direction, (GroupMove(ids=ids, first=0, rows=tuple(rows)),), 2)
 
 
+@pytest.mark.parametrize("direction", list(Direction))
 @pytest.mark.parametrize("batches", [1, 2, 3])
-def test_a_load_uploads_its_tables_on_its_first_lane_and_its_kernels_read_that_copy(
-    batches: int,
+def test_a_job_uploads_its_tables_on_its_first_lane_and_its_kernels_read_that_copy(
+    direction: Direction, batches: int
 ) -> None:
-    # two loads in flight: the second's upload overwrites the tables the first's kernels read
-    model = run(Scenario("mla", 1, 1, (_load(range(batches)), _load(range(batches, 2 * batches)))))
+    # two jobs in flight: the second's upload overwrites the tables the first's kernels read
+    jobs = (_job(direction, range(batches)), _job(direction, range(batches, 2 * batches)))
+    model = run(Scenario("mla", 1, 1, jobs))
     first, second = model.jobs[0], model.jobs[1]
     for job in (first, second):
         upload = job.upload
@@ -486,10 +488,24 @@ def test_a_load_uploads_its_tables_on_its_first_lane_and_its_kernels_read_that_c
         assert len({op.stream for op in kernels}) == min(batches, 2)
         for kernel in kernels:  # on either lane, after the upload, reading the copy
             assert happens_before(upload, kernel)
-            reads = [a for a in kernel.accesses if a.resource[0] in TABLES_READ_BY.values()]
+            reads = [a for a in kernel.accesses if a.resource[0] in TABLE_MEMORY]
             assert reads and all(
                 a.resource == copy.resource and copy.lo <= a.lo and a.hi <= copy.hi for a in reads
             )
+    assert second.upload is not None
     assert all(happens_before(op, second.upload) for op in first.work if op.kind is Kind.KERNEL)
     _holds(kernels_reading_tables_not_written_for_them, model)
+    _holds(device_tables_overwritten_while_read, model)
+
+
+def test_each_direction_has_device_tables_of_its_own() -> None:
+    # a store and a load in flight together: neither's upload touches the other's tables
+    model = run(
+        Scenario("mla", 1, 1, (_job(Direction.STORE, range(2)), _job(Direction.LOAD, range(2, 4))))
+    )
+    store, load = model.jobs[0], model.jobs[1]
+    assert store.upload is not None and load.upload is not None
+    (store_copy,) = [a.resource for a in store.upload.accesses if a.write]
+    (load_copy,) = [a.resource for a in load.upload.accesses if a.write]
+    assert store_copy != load_copy
     _holds(device_tables_overwritten_while_read, model)

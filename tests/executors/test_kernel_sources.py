@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.executors.kernels import STAGE_COPY_SOURCE, ZERO_COPY_SOURCE
+from kvferry.executors.kernels import STAGE_COPY_SOURCE, TABLE_COPY_SOURCE, ZERO_COPY_SOURCE
 
 
 @pytest.mark.parametrize(
-    "source", [STAGE_COPY_SOURCE, ZERO_COPY_SOURCE], ids=["stage_copy", "zero_copy"]
+    "source",
+    [STAGE_COPY_SOURCE, TABLE_COPY_SOURCE, ZERO_COPY_SOURCE],
+    ids=["stage_copy", "table_copy", "zero_copy"],
 )
 def test_the_kernel_source_compiles_for_hopper(source: str, tmp_path: Path) -> None:
     nvcc = shutil.which("nvcc")
