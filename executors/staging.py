@@ -18,7 +18,7 @@ import numpy as np
 
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
-from kvferry.core.checks import unchecked
+from kvferry.core.checks import unchecked_maker
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList
 from kvferry.core.layout import KVLayout
@@ -141,6 +141,9 @@ class StagePlan:
         )
 
 
+_new_plan = unchecked_maker(StagePlan)
+
+
 class StagePlanner:
     """Plans staged transfers for one layout: what depends only on the layout is worked out
     once here, so planning a job costs arithmetic per batch and group, plus one numpy pass over
@@ -174,11 +177,9 @@ class StagePlanner:
         self._sizes = [layout.group_row_bytes(g) for g in range(layout.num_groups)]
         self._dense = [all(r.page_bytes == r.page_stride for r in g.refs) for g in layout.groups]
         lines: list[tuple[int, ...]] = []
-        self._first_ref: list[int] = []
-        self._page_pieces: list[int] = []
-        self._page_bytes: list[int] = []
+        self._refs_of: list[_GroupRefs] = []
         for g, group in enumerate(layout.groups):
-            self._first_ref.append(len(lines))
+            first_ref = len(lines)
             prefix = 0
             for ref, offset in zip(group.refs, group.row_offsets(f), strict=True):
                 pieces = -(-ref.page_bytes // piece_bytes)
@@ -195,9 +196,9 @@ class StagePlanner:
                     )
                 )
                 prefix += pieces
-            self._page_pieces.append(prefix)
-            self._page_bytes.append(group.block_copy_bytes)
-        self._ref_counts = [len(group.refs) for group in layout.groups]
+            self._refs_of.append(
+                _GroupRefs(first_ref, len(group.refs), prefix, group.block_copy_bytes)
+            )
         self.ref_table: IdArray = np.array(lines, np.int64).reshape(-1, len(REF_FIELDS))
         """The layout's ref table (`REF_FIELDS`), the same for every job."""
         self.ref_table.setflags(write=False)
@@ -222,8 +223,7 @@ class StagePlanner:
             bound.plan.direction, groups, slices, rows
         )
         # built unchecked: every field comes from the arithmetic above, on a checked plan
-        return unchecked(
-            StagePlan,
+        return _new_plan(
             table=table,
             refs=self.ref_table,
             line_bounds=line_bounds,
@@ -246,53 +246,43 @@ class StagePlanner:
             skip = first % f
             keys = chunks_spanned(n, skip, f)
             if keys:
-                out.append(
-                    _Group(g=g, n=n, skip=skip, keys=keys, key0=key0, id0=id0, size=self._sizes[g])
-                )
+                out.append(_Group(g, n, skip, keys, key0, id0, self._sizes[g]))
             key0 += keys
             id0 += n
         return out
 
     def _slices(self, groups: list[_Group]) -> _Slices:
-        """Cut the keys into batches, greedily, group by group (a group's keys all take the same
-        staging bytes, so this is arithmetic per batch, not a pass over keys)."""
+        """Return the keys cut into batches, greedily, group by group (a group's keys all take
+        the same staging bytes, so this is arithmetic per batch, not a pass over keys)."""
+        ramp, capacity = self._ramp_bytes, self._capacity
         total = sum(group.keys * group.size for group in groups)
-        slices = _Slices()
-        # the columns' appends, bound once: this loop runs per batch on every submit
-        add_batch, add_group, add_first, add_count, add_stage = (
-            slices.batch.append,
-            slices.group.append,
-            slices.first.append,
-            slices.count.append,
-            slices.stage.append,
-        )
+        lines: list[_Slice] = []
+        bounds: list[int] = [0]
+        stage_bytes: list[int] = []
         gi, taken, done = 0, 0, 0  # group index, its keys already batched, bytes batched
         while gi < len(groups):
             left = total - done
-            limit = self._ramp_bytes if done == 0 else self._capacity
-            if self._ramp_bytes < left <= self._capacity + self._ramp_bytes:
-                limit = min(limit, left - self._ramp_bytes)  # leave a small last batch
+            limit = ramp if done == 0 else capacity
+            if ramp < left <= capacity + ramp:
+                limit = min(limit, left - ramp)  # leave a small last batch
             used = 0
-            batch = len(slices.stage_bytes)
             while gi < len(groups):
-                group = groups[gi]
-                count = min(group.keys - taken, max(limit - used, 0) // group.size)
-                if count == 0 and used == 0:
-                    count = 1  # a row larger than the ramp still moves, alone
-                if count == 0:
+                keys, size = groups[gi].keys, groups[gi].size
+                room = (limit - used) // size if limit > used else 0  # keys that fit
+                count = room if room < keys - taken else keys - taken
+                if count == 0 and used:
                     break
-                add_batch(batch)
-                add_group(gi)
-                add_first(taken)
-                add_count(count)
-                add_stage(used)
-                used += count * group.size
+                count = count or 1  # a row larger than the ramp still moves, alone
+                lines.append((len(stage_bytes), gi, taken, count, used))
+                used += count * size
                 taken += count
-                if taken == group.keys:
-                    gi, taken = gi + 1, 0
-            slices.stage_bytes.append(used)
+                if taken < keys:
+                    break  # the batch is full: not even one more of these keys fits
+                gi, taken = gi + 1, 0
+            bounds.append(len(lines))
+            stage_bytes.append(used)
             done += used
-        return slices
+        return _Slices(lines=lines, bounds=bounds, stage_bytes=stage_bytes)
 
     def _slice_table(
         self, groups: list[_Group], slices: _Slices
@@ -300,29 +290,32 @@ class StagePlanner:
         """Return the job's slice table (batch after batch), the bounds of each batch's lines,
         and per batch its kernel pieces and its bytes: Python per slice, one array at the end."""
         f = self._layout.blocks_per_chunk
+        refs_of = self._refs_of
         n_batches = len(slices.stage_bytes)
         items, nbytes = [0] * n_batches, [0] * n_batches
         lines: list[int] = []
-        for b, gi, first, keys, stage in zip(
-            slices.batch, slices.group, slices.first, slices.count, slices.stage, strict=True
-        ):
+        for b, gi, first, keys, stage in slices.lines:
             group = groups[gi]
-            lo = max(group.skip, first * f)
-            pages = min(group.skip + group.n, (first + keys) * f) - lo
+            first_ref, refs, page_pieces, page_bytes = refs_of[group.g]
+            # positions in the group's rows: the slice's keys hold start .. end - 1, the group's
+            # pages skip .. skip + n - 1 (conditionals, not min/max: this runs on every submit)
+            start, end, stop = first * f, (first + keys) * f, group.skip + group.n
+            lo = start if start > group.skip else group.skip
+            pages = (end if end < stop else stop) - lo
             lines += (
-                self._first_ref[group.g],
-                self._ref_counts[group.g],
+                first_ref,
+                refs,
                 stage,
                 group.id0 + lo - group.skip,
-                lo - first * f,
+                lo - start,
                 pages,
                 items[b],
             )
-            items[b] += pages * self._page_pieces[group.g]
-            nbytes[b] += pages * self._page_bytes[group.g]
+            items[b] += pages * page_pieces
+            nbytes[b] += pages * page_bytes
         table = np.array(lines, np.int64).reshape(-1, len(SLICE_FIELDS))
         table.setflags(write=False)
-        return table, tuple(_bounds(slices.batch, n_batches)), tuple(items), tuple(nbytes)
+        return table, tuple(slices.bounds), tuple(items), tuple(nbytes)
 
     def _link_copies(
         self, direction: Direction, groups: list[_Group], slices: _Slices, rows: IdArray
@@ -338,27 +331,27 @@ class StagePlanner:
         if not groups:
             return ((), (), ()), (0,) * (n_batches + 1)
         exact = self._exact_keys(direction, groups)
-        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        jumps = rows[1:] - rows[:-1] != 1
         whole_rows = all(group.size == self._row_bytes for group in groups)
-        if not len(breaks) and not len(exact) and whole_rows:
+        if not np.count_nonzero(jumps) and not len(exact) and whole_rows:
             return self._run_copies(direction, groups, slices, int(rows[0]))
-        key0 = np.asarray([groups[gi].key0 for gi in slices.group], np.int64) + np.asarray(
-            slices.first, np.int64
-        )
+        breaks = np.flatnonzero(jumps) + 1
+        batch_of, group_of, first, _, stage_of = np.array(slices.lines, np.int64).T
+        key0 = np.asarray([group.key0 for group in groups], np.int64)[group_of] + first
         starts = self._copy_starts(groups, key0, rows, breaks, exact)
         ends = np.append(starts[1:], len(rows))
         # each copy's slice: the last slice starting at or before its first key
         owner = np.searchsorted(key0, starts, side="right") - 1
-        size_of = np.asarray([groups[gi].size for gi in slices.group], np.int64)[owner]
-        stage = np.asarray(slices.stage, np.int64)[owner] + (starts - key0[owner]) * size_of
+        size_of = np.asarray([group.size for group in groups], np.int64)[group_of[owner]]
+        stage = stage_of[owner] + (starts - key0[owner]) * size_of
         tier = rows[starts] * self._row_bytes
         size = (ends - starts) * size_of
-        batch = np.asarray(slices.batch, np.int64)[owner]
+        batch = batch_of[owner]
         if len(exact):
             is_exact = np.isin(starts, exact)
             parts = [(stage[~is_exact], tier[~is_exact], size[~is_exact], batch[~is_exact])]
             for i in np.flatnonzero(is_exact).tolist():
-                group = groups[slices.group[int(owner[i])]]
+                group = groups[int(group_of[owner[i]])]
                 in_row, piece = self._exact_pieces(group, int(starts[i]) - group.key0)
                 parts.append(
                     (stage[i] + in_row, tier[i] + in_row, piece, np.full(len(piece), batch[i]))
@@ -381,15 +374,16 @@ class StagePlanner:
         the tier's registration boundaries, worked out in Python per slice."""
         row_bytes = self._row_bytes
         per_piece = self._tier_piece_bytes // row_bytes
-        stage, tier, size = [], [], []
+        stage: list[int] = []
+        tier: list[int] = []
+        size: list[int] = []
         bounds = [0] * (len(slices.stage_bytes) + 1)
-        for b, gi, first, keys, at in zip(
-            slices.batch, slices.group, slices.first, slices.count, slices.stage, strict=True
-        ):
+        for b, gi, first, keys, at in slices.lines:
             start = first_row + groups[gi].key0 + first
             row, end = start, start + keys
             while row < end:
-                stop = min(end, (row // per_piece + 1) * per_piece) if per_piece else end
+                stop = (row // per_piece + 1) * per_piece if per_piece else end
+                stop = end if stop > end else stop
                 stage.append(at + (row - start) * row_bytes)
                 tier.append(row * row_bytes)
                 size.append((stop - row) * row_bytes)
@@ -438,14 +432,25 @@ class StagePlanner:
         f = self._layout.blocks_per_chunk
         first = group.skip if local == 0 else 0
         end = min(group.skip + group.n - local * f, f)
-        start = self._first_ref[group.g]
-        refs = self.ref_table[start : start + self._ref_counts[group.g]]
+        group_refs = self._refs_of[group.g]
+        refs = self.ref_table[group_refs.first_ref : group_refs.first_ref + group_refs.refs]
         slots = np.arange(first, end, dtype=np.int64)
         offset = refs[:, _REF["row_offset"], None]
         stride = refs[:, _REF["page_stride"], None]
         size = refs[:, _REF["page_bytes"], None]
         in_row = (offset + slots[None, :] * stride).ravel()
         return in_row, np.broadcast_to(size, (len(refs), len(slots))).ravel()
+
+
+class _GroupRefs(NamedTuple):
+    """A layout group's lines of the ref table, and what a page of the group costs."""
+
+    first_ref: int
+    refs: int
+    page_pieces: int
+    """Kernel pieces per page of the group (over all its refs)."""
+    page_bytes: int
+    """Bytes per page of the group (over all its refs)."""
 
 
 class _Group(NamedTuple):
@@ -460,30 +465,20 @@ class _Group(NamedTuple):
     size: int
 
 
-@attrs.define
-class _Slices:
-    """The (batch, group) slices of a job, as columns, and each batch's staging bytes."""
+_Slice = tuple[int, int, int, int, int]
+"""The keys of one group in one batch: the batch, the group (an index into the job's groups,
+not the layout's group number), the slice's first key counted in its group, its key count, and
+the offset of its first key in the batch's staging."""
 
-    batch: list[int] = attrs.Factory(list)
-    group: list[int] = attrs.Factory(list)
-    """Index into the job's groups (not the layout's group number)."""
-    first: list[int] = attrs.Factory(list)
-    """The slice's first key, counted in its group."""
-    count: list[int] = attrs.Factory(list)
-    stage: list[int] = attrs.Factory(list)
-    """Offset of the slice's first key in its batch's staging."""
-    stage_bytes: list[int] = attrs.Factory(list)
+
+class _Slices(NamedTuple):
+    """The (batch, group) slices of a job, batch after batch, and each batch's staging bytes."""
+
+    lines: list[_Slice]
+    bounds: list[int]
+    """Batch k's slices are `lines[bounds[k]:bounds[k + 1]]`."""
+    stage_bytes: list[int]
     """Per batch: the staging bytes it uses."""
-
-
-def _bounds(batch_of_line: list[int], n_batches: int) -> list[int]:
-    """Return where each batch's lines start, and the end, for lines in batch order."""
-    bounds = [0] * (n_batches + 1)
-    for b in batch_of_line:
-        bounds[b + 1] += 1
-    for b in range(n_batches):
-        bounds[b + 1] += bounds[b]
-    return bounds
 
 
 def segment_copies(
