@@ -207,8 +207,10 @@ class StagePlanner:
         """Return the batches of `bound`: runs of consecutive keys whose rows fit in staging.
 
         Expects a plan `check_bound` accepted. A key of group `g` takes `group_row_bytes(g)` of
-        staging; the first and the last batch hold at most `ramp_bytes`, so the pipeline fills
-        and drains quickly. A load reads whole rows (bytes it does not need land in staging and
+        staging. Where the link waits for a kernel, the batch holds at most `ramp_bytes`: a
+        store's first (its gather runs before the first DMA can start), a load's last (its
+        scatter runs after the last DMA); the other batches fill the staging half, since each
+        batch costs host calls. A load reads whole rows (bytes it does not need land in staging and
         stay there); a store writes whole rows only where the plan fills them, and exactly its
         pages elsewhere (a partial last chunk, padded pages), so the tier keeps every byte the
         plan does not name. No link copy crosses a multiple of `tier_piece_bytes` in the tier.
@@ -216,7 +218,7 @@ class StagePlanner:
         the keys themselves are touched by one numpy pass (finding runs of consecutive rows).
         """
         groups = self._groups(bound)
-        slices = self._slices(groups)
+        slices = self._slices(groups, bound.plan.direction)
         table, line_bounds, items, nbytes = self._slice_table(groups, slices)
         rows = np.asarray(bound.cpu_rows, np.int64)
         (src, dst, size), link_bounds = self._link_copies(
@@ -251,10 +253,12 @@ class StagePlanner:
             id0 += n
         return out
 
-    def _slices(self, groups: list[_Group]) -> _Slices:
+    def _slices(self, groups: list[_Group], direction: Direction) -> _Slices:
         """Return the keys cut into batches, greedily, group by group (a group's keys all take
-        the same staging bytes, so this is arithmetic per batch, not a pass over keys)."""
+        the same staging bytes, so this is arithmetic per batch, not a pass over keys); a
+        store's first batch and a load's last hold at most the ramp (see `plan`)."""
         ramp, capacity = self._ramp_bytes, self._capacity
+        small_first = direction is Direction.STORE
         total = sum(group.keys * group.size for group in groups)
         lines: list[_Slice] = []
         bounds: list[int] = [0]
@@ -262,8 +266,8 @@ class StagePlanner:
         gi, taken, done = 0, 0, 0  # group index, its keys already batched, bytes batched
         while gi < len(groups):
             left = total - done
-            limit = ramp if done == 0 else capacity
-            if ramp < left <= capacity + ramp:
+            limit = ramp if small_first and done == 0 else capacity
+            if not small_first and ramp < left <= capacity + ramp:
                 limit = min(limit, left - ramp)  # leave a small last batch
             used = 0
             while gi < len(groups):

@@ -170,19 +170,26 @@ def test_each_batch_counts_its_kernel_pieces() -> None:
     assert batch.items == len(pages)  # pages smaller than PIECE_BYTES are one piece each
 
 
-def test_the_first_and_last_batches_stay_small_so_the_pipeline_fills_and_drains_fast() -> None:
+def _batch_rows(direction: Direction) -> list[int]:
+    """Rows per batch of a 16-row job through staging of 6 rows, with a ramp of one row."""
     model = Model(backend_for("cpu"), LAYOUT_CASES["blocks_first"], 1)
     layout = model.executor.layout
-    bound = bound_plan(
-        1, Direction.LOAD, 1, [GroupMove(ids=tuple(range(16)), first=0, rows=tuple(range(16)))]
-    )
+    move = GroupMove(ids=tuple(range(16)), first=0, rows=tuple(range(16)))
+    bound = bound_plan(1, direction, 1, [move])
     planner = StagePlanner(
         layout, capacity=6 * layout.row_bytes, piece_bytes=PIECE_BYTES, ramp_bytes=layout.row_bytes
     )
-    sizes = [b.stage_bytes // layout.row_bytes for b in planner.plan(bound).batches]
-    assert sizes[0] == sizes[-1] == 1
-    assert sum(sizes) == 16
-    assert max(sizes) == 6
+    return [b.stage_bytes // layout.row_bytes for b in planner.plan(bound).batches]
+
+
+def test_a_store_starts_with_a_small_batch_so_its_first_dma_starts_early() -> None:
+    # a store gathers, then copies out: its link idles during the first gather only
+    assert _batch_rows(Direction.STORE) == [1, 6, 6, 3]
+
+
+def test_a_load_ends_with_a_small_batch_so_its_last_scatter_is_short() -> None:
+    # a load copies in, then scatters: its link idles during the last scatter only
+    assert _batch_rows(Direction.LOAD) == [6, 6, 3, 1]
 
 
 @st.composite
