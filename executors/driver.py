@@ -133,8 +133,11 @@ class KernelLauncher:
     ) -> None:
         """`arguments`: the ctypes type of each kernel parameter, in order."""
         self._launch = driver.library.cuLaunchKernel
-        self._function = function
+        # a CUfunction as an int (CuPy) or already a c_void_p (torch)
+        self._function = ctypes.c_void_p(getattr(function, "value", function))
         self._holders = tuple(kind() for kind in arguments)
+        # the launch's constant arguments, converted once
+        self._one, self._threads, self._no_bytes = (ctypes.c_uint(n) for n in (1, THREADS, 0))
         self._params = (ctypes.c_void_p * len(self._holders))(
             *(ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in self._holders)
         )
@@ -142,10 +145,23 @@ class KernelLauncher:
     def __call__(self, *values: int, blocks: int, stream: int) -> None:
         """Launch on `blocks` thread blocks on raw stream `stream`, the parameters set to
         `values`."""
-        for holder, value in zip(self._holders, values, strict=True):
+        if len(values) != len(self._holders):
+            raise TypeError(f"the kernel takes {len(self._holders)} values, not {len(values)}")
+        for holder, value in zip(self._holders, values, strict=False):  # checked just above
             holder.value = value
+        one = self._one
         status = self._launch(
-            self._function, blocks, 1, 1, THREADS, 1, 1, 0, stream, self._params, None
+            self._function,
+            blocks,
+            one,
+            one,
+            self._threads,
+            one,
+            one,
+            self._no_bytes,
+            stream,
+            self._params,
+            None,
         )
         if status:
             _check(status, "cuLaunchKernel")

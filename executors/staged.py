@@ -321,24 +321,33 @@ class StagedGpuExecutor(Executor):
         host = self.host_tier.address
         lines, link = plan.line_bounds, plan.link_bounds
         src, dst, size = plan.link_src, plan.link_dst, plan.link_size
+        launch, memcpy, most = self._launch_stage_copy, self._memcpy, self._copy_blocks
+
+        def stage_copy(k: int, lane: int, stage: int, items: int) -> None:
+            """Launch batch k's gather or scatter (none for a batch of no slice line)."""
+            count = lines[k + 1] - lines[k]
+            if count:
+                blocks = -(-items // WARPS) or 1
+                launch(
+                    lane,
+                    segments=segments + line_bytes * lines[k],
+                    count=count,
+                    refs=refs,
+                    ids=ids_address,
+                    stage=stage,
+                    to_stage=store,
+                    blocks=blocks if blocks < most else most,
+                )
+
         for k, items in enumerate(plan.items):
             lane, stage = lanes[k % 2], stages[k % 2]
             src_base, dst_base = (stage, host) if store else (host, stage)
-            launch = {
-                "segments": segments + line_bytes * lines[k],
-                "count": lines[k + 1] - lines[k],
-                "refs": refs,
-                "ids": ids_address,
-                "stage": stage,
-                "to_stage": store,
-                "blocks": max(1, min(-(-items // WARPS), self._copy_blocks)),
-            }
-            if store and launch["count"]:  # gather, then copy out
-                self._launch_stage_copy(lane, **launch)
+            if store:  # gather, then copy out
+                stage_copy(k, lane, stage, items)
             for i in range(link[k], link[k + 1]):
-                self._memcpy(dst_base + dst[i], src_base + src[i], size[i], lane)
-            if not store and launch["count"]:  # copy in, then scatter
-                self._launch_stage_copy(lane, **launch)
+                memcpy(dst_base + dst[i], src_base + src[i], size[i], lane)
+            if not store:  # copy in, then scatter
+                stage_copy(k, lane, stage, items)
         last = self._end(direction, job, len(plan))
         self._record(slot.done, last)  # after the upload that read the slot
         slot.pending = True
