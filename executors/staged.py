@@ -82,6 +82,10 @@ class StagedGpuExecutor(Executor):
     launches) go to the CUDA driver (`executors.driver`), on integer handles.
     """
 
+    min_table_values = 1 << 16
+    """int64 values a table slot or a direction's GPU tables hold at least (512 KiB); a job that
+    needs more grows its buffer."""
+
     def __init__(
         self,
         *,
@@ -398,7 +402,7 @@ class StagedGpuExecutor(Executor):
             if tables is not None:  # grow: nothing may still read the old one
                 for lane in self._lanes[direction]:
                     self._synchronize(lane)
-            capacity = max(values, 1 << 16)
+            capacity = max(values, self.min_table_values)
             buffer = self._allocate(capacity * 8)
             tables = self._device_tables[direction] = (buffer, self._address(buffer), capacity)
         self._copy_table(tables[1], slot.address, values, first)
@@ -407,7 +411,7 @@ class StagedGpuExecutor(Executor):
 
     def _new_slot(self, values: int) -> _TableSlot:
         """Return a new table slot of at least `values` int64, the ref table written in."""
-        capacity = max(values, 1 << 16)
+        capacity = max(values, self.min_table_values)
         host, view = self._allocate_pinned(capacity)
         refs = self._planner.ref_table.ravel()
         view[: len(refs)] = refs

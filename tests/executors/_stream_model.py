@@ -154,6 +154,14 @@ class Trace:
         if op is not None:
             self._host |= op.after | 1 << op.index
 
+    def last_on(self, stream: int) -> Op | None:
+        """Return the op queued last on `stream` (None before any)."""
+        return self._last_on.get(stream)
+
+    def host_knows(self, op: Op) -> bool:
+        """Return True when the host has waited for `op` (it has run)."""
+        return bool(self._host >> op.index & 1)
+
     def host_synchronizes(self, stream: int) -> None:
         """The host blocks until `stream` is idle."""
         self.host_waits_for(self._last_on.get(stream))
@@ -204,8 +212,11 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self._job_ids: dict[int, int] = {}
         self._compute_op: Op | None = None
         self._batches = 0
-        self._uploading = False
+        self._uploading: Direction | None = None
         self._events = 0
+        self.device_table_growths: list[tuple[Direction, bool]] = []
+        """Per growth of a direction's device tables: whether every lane of the direction had
+        finished, as far as the host knew (the grown buffer replaces one kernels may read)."""
         super().__init__(**options)
 
     # --- the engine --------------------------------------------------------------------------
@@ -270,7 +281,11 @@ class StreamOrderModel(TorchOnCpuExecutor):
         (`_stages` names it)."""
         buffer = super()._allocate(nbytes)
         self._keep.append(buffer)
-        if self._uploading:
+        if self._uploading is not None:
+            if self._uploading in self._device_tables:
+                last = [self.trace.last_on(lane) for lane in self._lane_handles[self._uploading]]
+                idle = all(op is None or self.trace.host_knows(op) for op in last)
+                self.device_table_growths.append((self._uploading, idle))
             address = self._address(buffer)
             self._regions.append((address, address + nbytes, ("tables", address)))
         return buffer
@@ -309,11 +324,11 @@ class StreamOrderModel(TorchOnCpuExecutor):
 
     def _upload(self, slot: Any, values: int, direction: Direction) -> tuple[int, Any]:
         """Mark the allocation made here as device tables."""
-        self._uploading = True
+        self._uploading = direction
         try:
             return super()._upload(slot, values, direction)
         finally:
-            self._uploading = False
+            self._uploading = None
 
     def _access(self, address: int, nbytes: int, *, write: bool) -> Access:
         """Return the access to `nbytes` at `address` (a staging half counts as a whole)."""

@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 import pytest
 from _harness import LAYOUT_CASES, NUM_BLOCKS, NUM_ROWS, GroupMove, Model, TorchBackend, bound_plan
 from _stream_model import (
@@ -127,11 +128,14 @@ def _model(case: str, f: int, staging_bytes: int) -> Model:
     )
 
 
-def run(scenario: Scenario) -> StreamOrderModel:
-    """Play `scenario` on a fresh model, close it, and return the model with its log."""
+def run(scenario: Scenario, *, min_table_values: int | None = None) -> StreamOrderModel:
+    """Play `scenario` on a fresh model (its table buffers at least `min_table_values` int64,
+    when given), close it, and return the model with its log."""
     staging = 2 * scenario.rows_per_half * _row_bytes(scenario.case, scenario.f)
     executor = _model(scenario.case, scenario.f, staging).executor
     assert isinstance(executor, StreamOrderModel)
+    if min_table_values is not None:
+        executor.min_table_values = min_table_values
     in_flight: list[int] = []
     results = []
     for job_id, step in enumerate(scenario.steps):
@@ -509,3 +513,42 @@ def test_each_direction_has_device_tables_of_its_own() -> None:
     (load_copy,) = [a.resource for a in load.upload.accesses if a.write]
     assert store_copy != load_copy
     _holds(device_tables_overwritten_while_read, model)
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_device_tables_grow_only_once_the_lanes_that_read_them_are_idle(
+    direction: Direction,
+) -> None:
+    # buffers just larger than the ref table: a one-block job fits, a six-block one grows them
+    executor = _model("mla", 1, 1).executor
+    assert isinstance(executor, StreamOrderModel)
+    refs = executor._planner.ref_table.size
+    steps = (_job(direction, range(1)), _job(direction, range(1, 7)), _job(direction, range(7, 8)))
+    model = run(Scenario("mla", 1, 1, steps), min_table_values=refs + 4)
+    assert model.device_table_growths == [(direction, True)]
+    _holds(kernels_reading_tables_not_written_for_them, model)
+    _holds(table_slots_rewritten_while_read, model)
+
+
+def test_a_job_whose_tables_outgrow_their_buffers_still_moves_its_bytes() -> None:
+    # one block, then six (a grown slot and grown device tables), stored and loaded back
+    model = _model("mla", 1, staging_bytes=2 * _row_bytes("mla", 1))
+    executor = model.executor
+    assert isinstance(executor, StreamOrderModel)
+    executor.min_table_values = executor._planner.ref_table.size + 4
+    model.fill_random(np.random.default_rng(3))
+    before = model.snapshot()
+    jobs = [(Direction.STORE, range(1)), (Direction.STORE, range(1, 7))]
+    jobs += [(Direction.LOAD, range(1)), (Direction.LOAD, range(1, 7))]
+    for job_id, (direction, blocks) in enumerate(jobs):
+        if job_id == 2:
+            model.poison()
+        bound = bound_plan(job_id, direction, 1, _job(direction, blocks).moves)
+        executor.submit_behind_compute(bound, COMPUTE_STREAMS[0])
+        (result,) = executor.wait([job_id])
+        assert result.success, result.error
+    assert [d for d, _ in executor.device_table_growths] == [Direction.STORE, Direction.LOAD]
+    after = model.snapshot()
+    page = len(before[0][0]) // NUM_BLOCKS  # blocks-first: block i is page i
+    for x, y in zip(before[0], after[0], strict=True):
+        np.testing.assert_array_equal(x[: 7 * page], y[: 7 * page])
