@@ -1,0 +1,118 @@
+"""Where `submit()` spends its host time, step by step, for the 2048-block load of target 4.
+
+A benchmark, never part of the test suite: it needs a CUDA GPU, torch and the executor's own
+library; without a GPU it says so and exits 0.
+
+Per executor and page size it submits 2048-block x 32-layer loads (random block ids, catalog
+rows, one `wait()` after each, as `transfer.py` measures target 4), with each step of the
+staged path timed on the host: checking the plan, planning, writing the table slot, the job's
+first events, the table upload, every kernel launch, every DMA and the job's last events.
+Medians over the jobs after two warm-ups; the steps do not add up to the whole (the loop around
+them, and the timing itself, about 1 µs a step).
+
+    python3 benchmarks/submit_breakdown.py --variants torch,cupy
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows
+
+import kvferry.executors.base as executor_base
+from kvferry.core.plan import Direction
+from kvferry.executors import make_executor
+
+BLOCKS = 2048
+STEPS = (
+    "_table_slot",
+    "_begin",
+    "_upload",
+    "_launch_stage_copy",
+    "_memcpy",
+    "_end",
+)
+"""The staged executor's steps timed on the instance (plus `check_bound` and the planner)."""
+
+
+def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """Return `function` adding its host seconds to `spent[name]` on every call."""
+
+    @functools.wraps(function)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+
+    return timed
+
+
+def breakdown(torch: Any, variant: str, page: int, jobs: int) -> dict[str, float]:
+    """Return the median seconds of `submit()` ("submit") and of each step, over `jobs` loads."""
+    spent: dict[str, float] = defaultdict(float)
+    check_bound = executor_base.check_bound
+    executor_base.check_bound = _timed(spent, "check", check_bound)
+    name, options = VARIANTS[variant]
+    moved, num_blocks, kv = bench_kv_caches(torch, 32, page, BLOCKS * 32 * page)
+    executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
+    try:
+        for step in STEPS:
+            setattr(executor, step, _timed(spent, step.strip("_"), getattr(executor, step)))
+        planner = executor._planner
+        planner.plan = _timed(spent, "plan", planner.plan)
+        rng = np.random.default_rng(1)
+        samples: list[dict[str, float]] = []
+        for job in range(jobs + 2):
+            ids = rng.choice(num_blocks, moved, False)
+            bound = _bound(job, Direction.LOAD, ids, catalog_rows(moved))
+            spent.clear()
+            start = time.perf_counter()
+            executor.submit(bound)
+            submit = time.perf_counter() - start
+            executor.wait([job])
+            if job >= 2:
+                samples.append({"submit": submit, **spent})
+    finally:
+        executor_base.check_bound = check_bound
+        executor.close()
+        del kv
+        torch.cuda.empty_cache()
+    keys = ["submit", "check", "plan", *(step.strip("_") for step in STEPS)]
+    return {key: statistics.median(s.get(key, 0.0) for s in samples) for key in keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default="torch,cupy")
+    parser.add_argument("--pages-kib", default="4,16")
+    parser.add_argument("--jobs", type=int, default=15)
+    args = parser.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("needs torch and a CUDA GPU; skipped")
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU; skipped")
+        return 0
+    print(f"{BLOCKS}-block x 32-layer loads, median us per submit and per step")
+    for variant in args.variants.split(","):
+        for page_kib in (int(p) for p in args.pages_kib.split(",")):
+            times = breakdown(torch, variant, page_kib * KIB, args.jobs)
+            steps = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in times.items() if k != "submit")
+            print(f"{variant} {page_kib} KiB: submit {times['submit'] * 1e6:.0f} | {steps}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
