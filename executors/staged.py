@@ -460,7 +460,7 @@ class _TableSlot:
     view: IdArray
     """The buffer as numpy."""
     address: int
-    """Its address, which kernels read through (pinned memory is mapped for the GPU)."""
+    """Its address, which the table-copy kernel reads (pinned memory is mapped for the GPU)."""
     capacity: int
     """int64 values it holds."""
     done: Any
