@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transfer import KIB, VARIANTS, _bound, _ceiling, bench_kv_caches, catalog_rows
+from transfer import KIB, VARIANTS, _bound, _ceiling, bench_kv_caches, catalog_rows, cuda_torch
 
 from kvferry.core.plan import Direction
 from kvferry.executors import CopyPath, make_executor
@@ -515,13 +515,8 @@ def _run_page(
 def main() -> int:
     """Run the sweep; print the table and the target lines; write JSON when asked."""
     args = _parser().parse_args()
-    try:
-        import torch
-    except ImportError:
-        print("interference.py needs CUDA (torch with a CUDA GPU); torch is not installed")
-        return 0
-    if not torch.cuda.is_available():
-        print("interference.py needs CUDA: no CUDA GPU is visible; nothing measured")
+    torch = cuda_torch("interference.py")
+    if torch is None:
         return 0
     total = int(args.gib * (1 << 30))
     ceiling = _ceiling(torch, total, 3)

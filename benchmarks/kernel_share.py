@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 from interference import MATMUL_N, _bidirectional_ceiling
-from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows
+from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows, cuda_torch
 
 from kvferry.core.plan import Direction
 from kvferry.executors import make_executor
@@ -110,13 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("needs torch and a CUDA GPU; skipped")
-        return 0
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU; skipped")
+    torch = cuda_torch("kernel_share.py")
+    if torch is None:
         return 0
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shape = matmul_kernel_shape(torch)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows
+from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows, cuda_torch
 
 import kvferry.executors.base as executor_base
 from kvferry.core.plan import Direction
@@ -97,13 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages-kib", default="4,16")
     parser.add_argument("--jobs", type=int, default=15)
     args = parser.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("needs torch and a CUDA GPU; skipped")
-        return 0
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU; skipped")
+    torch = cuda_torch("submit_breakdown.py")
+    if torch is None:
         return 0
     print(f"{BLOCKS}-block x 32-layer loads, median us per submit and per step")
     for variant in args.variants.split(","):

@@ -85,6 +85,20 @@ def bench_kv_caches(
     )
 
 
+def cuda_torch(script: str) -> Any:
+    """Return torch when it can see a CUDA GPU; else say why `script` measures nothing and
+    return None (the GPU benchmarks then exit 0)."""
+    try:
+        import torch
+    except ImportError:
+        print(f"{script} needs CUDA (torch with a CUDA GPU); torch is not installed")
+        return None
+    if not torch.cuda.is_available():
+        print(f"{script} needs CUDA: no CUDA GPU is visible; nothing measured")
+        return None
+    return torch
+
+
 def _ceiling(torch: Any, nbytes: int, repeat: int) -> dict[str, float]:
     """Return GB/s of one contiguous pinned copy, each way, timed with CUDA events."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
