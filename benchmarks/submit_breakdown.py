@@ -6,7 +6,7 @@ library; without a GPU it says so and exits 0.
 Per executor and page size it submits 2048-block x 32-layer loads (random block ids, catalog
 rows, one `wait()` after each, as `transfer.py` measures target 4), with each step of the
 staged path timed on the host: checking the plan, planning, writing the table slot, the job's
-first events, the table upload, every kernel launch, every DMA and the job's last events.
+first events, the table upload, the job's last events, every kernel launch and every DMA.
 Medians over the jobs after two warm-ups; the steps do not add up to the whole (the loop around
 them, and the timing itself, about 1 µs a step).
 
@@ -32,15 +32,11 @@ from kvferry.core.plan import Direction
 from kvferry.executors import make_executor
 
 BLOCKS = 2048
-STEPS = (
-    "_table_slot",
-    "_begin",
-    "_upload",
-    "_launch_stage_copy",
-    "_memcpy",
-    "_end",
-)
+STEPS = ("_table_slot", "_begin", "_upload", "_end")
 """The staged executor's steps timed on the instance (plus `check_bound` and the planner)."""
+PER_BATCH = {"_stage_kernel": "launch", "_dma": "dma"}
+"""The executor's methods that return a job's per-batch calls, and the name each call's time
+is added under."""
 
 
 def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,6 +53,18 @@ def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> 
     return timed
 
 
+def _timing_result(
+    spent: dict[str, float], name: str, method: Callable[..., Callable[..., Any]]
+) -> Callable[..., Callable[..., Any]]:
+    """Return `method` whose result, a function, adds its host seconds to `spent[name]`."""
+
+    @functools.wraps(method)
+    def timing(*args: Any, **kwargs: Any) -> Callable[..., Any]:
+        return _timed(spent, name, method(*args, **kwargs))
+
+    return timing
+
+
 def breakdown(torch: Any, variant: str, page: int, jobs: int) -> dict[str, float]:
     """Return the median seconds of `submit()` ("submit") and of each step, over `jobs` loads."""
     spent: dict[str, float] = defaultdict(float)
@@ -68,6 +76,8 @@ def breakdown(torch: Any, variant: str, page: int, jobs: int) -> dict[str, float
     try:
         for step in STEPS:
             setattr(executor, step, _timed(spent, step.strip("_"), getattr(executor, step)))
+        for method, name in PER_BATCH.items():
+            setattr(executor, method, _timing_result(spent, name, getattr(executor, method)))
         planner = executor._planner
         planner.plan = _timed(spent, "plan", planner.plan)
         rng = np.random.default_rng(1)
@@ -87,7 +97,7 @@ def breakdown(torch: Any, variant: str, page: int, jobs: int) -> dict[str, float
         executor.close()
         del kv
         torch.cuda.empty_cache()
-    keys = ["submit", "check", "plan", *(step.strip("_") for step in STEPS)]
+    keys = ["submit", "check", "plan", *(step.strip("_") for step in STEPS), *PER_BATCH.values()]
     return {key: statistics.median(s.get(key, 0.0) for s in samples) for key in keys}
 
 

@@ -123,7 +123,7 @@ class CudaDriver:
 
 class KernelLauncher:
     """Launches one compiled kernel, on `THREADS`-thread blocks, with its argument holders made
-    once: a launch sets their values and makes one driver call.
+    once: a launch sets their values and makes one driver call (`launch` alone reuses them).
 
     Not thread-safe: one executor launches from one thread at a time.
     """
@@ -142,6 +142,12 @@ class KernelLauncher:
             *(ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in self._holders)
         )
 
+    @property
+    def holders(self) -> tuple[ctypes._SimpleCData[Any], ...]:
+        """Return the kernel parameters' holders, in order: a launch passes their values as they
+        are then (the driver copies them), so a caller may set a few and launch again."""
+        return self._holders
+
     def __call__(self, *values: int, blocks: int, stream: int) -> None:
         """Launch on `blocks` thread blocks on raw stream `stream`, the parameters set to
         `values`."""
@@ -149,6 +155,11 @@ class KernelLauncher:
             raise TypeError(f"the kernel takes {len(self._holders)} values, not {len(values)}")
         for holder, value in zip(self._holders, values, strict=False):  # checked just above
             holder.value = value
+        self.launch(blocks, stream)
+
+    def launch(self, blocks: int, stream: int) -> None:
+        """Launch on `blocks` thread blocks on raw stream `stream`, the parameters as the holders
+        hold them."""
         one = self._one
         status = self._launch(
             self._function,

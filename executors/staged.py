@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -60,6 +60,15 @@ _TABLE_COPY_ARGUMENTS = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_longlong)
 DEFAULT_COPY_BLOCKS = 128
 """Thread blocks of a staging kernel launch: enough for HBM speed, far fewer than a full GPU."""
 
+StageCopy = Callable[[int, int, int, int, int], None]
+"""One job's staging-kernel launch: `(stream, segments, count, stage, blocks)` runs the kernel on
+raw stream `stream` over the `count` slice lines at address `segments`, with staging half
+`stage`, on `blocks` thread blocks (see `StagedGpuExecutor._stage_kernel`)."""
+
+Dma = Callable[[int, int, int, int], None]
+"""`(dst, src, nbytes, stream)` queues one copy between unified addresses (pinned host or
+device) on raw stream `stream`."""
+
 
 @attrs.define
 class GpuJob:
@@ -69,6 +78,9 @@ class GpuJob:
     end: Any
     keep: list[Any]
     path: CopyPath
+    finished: bool = False
+    """Whether the host saw it end and gave its events to later jobs (`_finish`): from then on
+    nothing waits on them for this job."""
 
 
 class StagedGpuExecutor(Executor):
@@ -120,13 +132,13 @@ class StagedGpuExecutor(Executor):
             # each per direction is enough
             self._ready = {d: self._new_event() for d in Direction}
             self._joined = {d: self._new_event() for d in Direction}
-            self._tail = {d: self._new_event() for d in Direction}
             self._uploaded = {d: self._new_event() for d in Direction}
         self._lane_handles = {
             d: (self._stream_handle(pair[0]), self._stream_handle(pair[1]))
             for d, pair in self._lanes.items()
         }
-        self._started: set[Direction] = set()
+        self._last_job: dict[Direction, GpuJob] = {}
+        """The job each direction queued last: the next one waits for its end event."""
         self._spare_events: list[Any] = []
         """Timing events of finished jobs, for the next jobs (creating one is a driver call)."""
         self._staging: dict[Direction, tuple[list[Any], tuple[int, int]]] = {}
@@ -211,36 +223,30 @@ class StagedGpuExecutor(Executor):
         """Release an event made by `_new_event`."""
         self._cuda().destroy(event)
 
-    def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """Queue one copy between unified addresses (pinned host or device) on `stream`."""
-        self._cuda().memcpy_async(dst, src, nbytes, stream)
+    def _dma(self) -> Dma:
+        """Return the function that queues one DMA (`Dma`)."""
+        return self._cuda().memcpy_async
 
-    def _launch_stage_copy(
-        self,
-        stream: int,
-        *,
-        segments: int,
-        count: int,
-        refs: int,
-        ids: int,
-        stage: int,
-        to_stage: bool,
-        blocks: int,
-    ) -> None:
-        """Launch `kernels.STAGE_COPY_SOURCE` on raw stream `stream` over the `count` slice
-        lines at address `segments`, with the ref table at `refs`, the block ids at `ids` and
-        the staging half at `stage`."""
-        self._launcher(STAGE_COPY_SOURCE, STAGE_COPY_NAME, _STAGE_COPY_ARGUMENTS)(
-            segments,
-            count,
-            refs,
-            ids,
-            stage,
-            int(to_stage),
-            PIECE_BYTES,
-            blocks=blocks,
-            stream=stream,
-        )
+    def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageCopy:
+        """Return one job's launch of `kernels.STAGE_COPY_SOURCE` (`StageCopy`), gathering into
+        staging when `to_stage` (else scattering from it), with the ref table at `refs` and the
+        block ids at `ids`; valid until the next call.
+
+        A job launches the kernel once per batch, and the batch loop is most of `submit()`'s host
+        time: the job's constant parameters are set here once, a launch sets the other three and
+        makes the driver call.
+        """
+        launcher = self._launcher(STAGE_COPY_SOURCE, STAGE_COPY_NAME, _STAGE_COPY_ARGUMENTS)
+        lines_at, lines, refs_at, ids_at, stage_at, to_stage_is, piece = launcher.holders
+        refs_at.value, ids_at.value = refs, ids
+        to_stage_is.value, piece.value = int(to_stage), PIECE_BYTES
+        launch = launcher.launch
+
+        def stage_copy(stream: int, segments: int, count: int, stage: int, blocks: int) -> None:
+            lines_at.value, lines.value, stage_at.value = segments, count, stage
+            launch(blocks, stream)
+
+        return stage_copy
 
     def _copy_table(self, dst: int, src: int, count: int, stream: int) -> None:
         """Queue the copy of `count` int64 from pinned `src` to GPU `dst` on raw stream `stream`,
@@ -278,9 +284,9 @@ class StagedGpuExecutor(Executor):
         ready, first = self._ready[direction], self._lane_handles[direction][0]
         self._record(ready, self._compute_stream_now())
         self._wait(first, ready)
-        if direction in self._started:
-            self._wait(first, self._tail[direction])
-        self._started.add(direction)
+        previous = self._last_job.get(direction)
+        if previous is not None and not previous.finished:  # a finished one has ended
+            self._wait(first, previous.end)
         spare = self._spare_events
         job = GpuJob(
             start=spare.pop() if spare else self._new_event(timing=True),
@@ -301,7 +307,7 @@ class StagedGpuExecutor(Executor):
             self._record(self._joined[direction], lanes[batches % 2])
             self._wait(last, self._joined[direction])
         self._record(job.end, last)
-        self._record(self._tail[direction], last)
+        self._last_job[direction] = job
         return last
 
     def _enqueue_staged(self, bound: BoundPlan) -> GpuJob:
@@ -325,36 +331,22 @@ class StagedGpuExecutor(Executor):
         host = self.host_tier.address
         lines, link = plan.line_bounds, plan.link_bounds
         src, dst, size = plan.link_src, plan.link_dst, plan.link_size
-        launch, memcpy, most = self._launch_stage_copy, self._memcpy, self._copy_blocks
-
-        def stage_copy(k: int, lane: int, stage: int, items: int) -> None:
-            """Launch batch k's gather or scatter (none for a batch of no slice line)."""
-            count = lines[k + 1] - lines[k]
-            if count:
-                blocks = -(-items // WARPS) or 1
-                launch(
-                    lane,
-                    segments=segments + line_bytes * lines[k],
-                    count=count,
-                    refs=refs,
-                    ids=ids_address,
-                    stage=stage,
-                    to_stage=store,
-                    blocks=blocks if blocks < most else most,
-                )
-
+        stage_copy = self._stage_kernel(refs=refs, ids=ids_address, to_stage=store)
+        memcpy, most = self._dma(), self._copy_blocks
         for k, items in enumerate(plan.items):
             lane, stage = lanes[k % 2], stages[k % 2]
             src_base, dst_base = (stage, host) if store else (host, stage)
-            if store:  # gather, then copy out
-                stage_copy(k, lane, stage, items)
+            count = lines[k + 1] - lines[k]  # none for a batch of no slice line
+            blocks = -(-items // WARPS) or 1
+            blocks = blocks if blocks < most else most
+            if store and count:  # gather, then copy out
+                stage_copy(lane, segments + line_bytes * lines[k], count, stage, blocks)
             for i in range(link[k], link[k + 1]):
                 memcpy(dst_base + dst[i], src_base + src[i], size[i], lane)
-            if not store:  # copy in, then scatter
-                stage_copy(k, lane, stage, items)
-        last = self._end(direction, job, len(plan))
-        self._record(slot.done, last)  # after the upload that read the slot
-        slot.pending = True
+            if count and not store:  # copy in, then scatter
+                stage_copy(lane, segments + line_bytes * lines[k], count, stage, blocks)
+        self._end(direction, job, len(plan))
+        slot.job = job  # its end comes after the upload that read the slot
         return job
 
     def _table_slot(self, ids: IdArray, table: IdArray, direction: Direction) -> _TableSlot:
@@ -362,8 +354,8 @@ class StagedGpuExecutor(Executor):
         the direction's next pinned table slot and return it (`_upload` copies it to the GPU).
 
         Jobs take the `TABLE_SLOTS` slots in turn; a slot is written again only once the job
-        that last used it has ended (its `done` event; with a few jobs in flight, long since),
-        and grows when a job needs more.
+        that last used it has ended (its end event, unless the host saw it finish; with a few
+        jobs in flight, long since), and grows when a job needs more.
         """
         refs = self._planner.ref_table.ravel()
         end = len(refs) + len(ids) + table.size
@@ -373,11 +365,10 @@ class StagedGpuExecutor(Executor):
         k = self._next_slot.get(direction, 0)
         self._next_slot[direction] = (k + 1) % TABLE_SLOTS
         slot = slots[k]
-        if slot.pending:
-            self._synchronize_event(slot.done)
-            slot.pending = False
+        if slot.job is not None and not slot.job.finished:
+            self._synchronize_event(slot.job.end)
+        slot.job = None
         if slot.capacity < end:
-            self._destroy_event(slot.done)
             slot = slots[k] = self._new_slot(end)
         slot.view[len(refs) : len(refs) + len(ids)] = ids
         slot.view[len(refs) + len(ids) : end] = table.ravel()
@@ -420,7 +411,6 @@ class StagedGpuExecutor(Executor):
             view=view,
             address=int(view.ctypes.data),
             capacity=capacity,
-            done=self._new_event(),
         )
 
     def _done(self, handle: GpuJob) -> bool:
@@ -430,6 +420,7 @@ class StagedGpuExecutor(Executor):
         try:
             return self._elapsed(handle.start, handle.end)
         finally:  # both have completed: the next jobs may record them again
+            handle.finished = True
             self._spare_events += (handle.start, handle.end)
 
     def _release(self) -> None:
@@ -440,8 +431,6 @@ class StagedGpuExecutor(Executor):
             *self._ready.values(),
             *self._joined.values(),
             *self._uploaded.values(),
-            *self._tail.values(),
-            *(slot.done for slots in self._tables.values() for slot in slots),
             *self._spare_events,
         ):
             self._destroy_event(event)
@@ -463,7 +452,5 @@ class _TableSlot:
     """Its address, which the table-copy kernel reads (pinned memory is mapped for the GPU)."""
     capacity: int
     """int64 values it holds."""
-    done: Any
-    """Event recorded where the last job that read it ends."""
-    pending: bool = False
-    """Whether `done` was recorded and not yet waited for."""
+    job: GpuJob | None = None
+    """The last job that read it, until the host knows that job ended."""

@@ -363,14 +363,10 @@ class StreamOrderModel(TorchOnCpuExecutor):
         return event
 
     def _label(self, event: ModelEvent) -> str:
-        for name in ("ready", "joined", "tail", "uploaded"):
+        for name in ("ready", "joined", "uploaded"):
             for direction, mine in getattr(self, f"_{name}").items():
                 if mine is event:
                     return f"{name} {direction.value}"
-        for direction, slots in self._tables.items():
-            for k, slot in enumerate(slots):
-                if slot.done is event:
-                    return f"slot {k} done {direction.value}"
         return f"{'timing ' if event.timing else ''}event {event.serial}"
 
     def _check_alive(self, event: ModelEvent, use: str) -> None:
@@ -434,17 +430,17 @@ class StreamOrderModel(TorchOnCpuExecutor):
         )
         super()._copy_table(dst, src, count, stream)
 
-    def _launch_stage_copy(
+    def _stage_copy(
         self,
         stream: int,
-        *,
         segments: int,
         count: int,
+        stage: int,
+        blocks: int,
+        *,
         refs: int,
         ids: int,
-        stage: int,
         to_stage: bool,
-        blocks: int,
     ) -> None:
         # what the kernel reads: the whole ref table, its slice lines, and the block ids they
         # span (the lines are in memory already: the host wrote them, and the upload copied
@@ -470,15 +466,8 @@ class StreamOrderModel(TorchOnCpuExecutor):
                 self._access(segments, count * line_bytes, write=False),
             ],
         )
-        super()._launch_stage_copy(
-            stream,
-            segments=segments,
-            count=count,
-            refs=refs,
-            ids=ids,
-            stage=stage,
-            to_stage=to_stage,
-            blocks=blocks,
+        super()._stage_copy(
+            stream, segments, count, stage, blocks, refs=refs, ids=ids, to_stage=to_stage
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ import numpy as np
 
 from kvferry.core.plan import Direction
 from kvferry.executors.host import HostRegistrar
+from kvferry.executors.staged import Dma, StageCopy
 from kvferry.executors.staging import REF_FIELDS, SLICE_FIELDS, segment_copies
 from kvferry.executors.torch_executor import TorchExecutor
 
@@ -149,17 +151,20 @@ class TorchOnCpuExecutor(TorchExecutor):
         host = np.zeros(count, np.int64)
         return host, host
 
-    def _launch_stage_copy(
+    def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageCopy:
+        return functools.partial(self._stage_copy, refs=refs, ids=ids, to_stage=to_stage)
+
+    def _stage_copy(
         self,
         stream: int,
-        *,
         segments: int,
         count: int,
+        stage: int,
+        blocks: int,
+        *,
         refs: int,
         ids: int,
-        stage: int,
         to_stage: bool,
-        blocks: int,
     ) -> None:
         """Do the kernel's work with `segment_copies` and memmove (no CUDA here), reading the
         tables from where the executor uploaded them."""
@@ -175,6 +180,9 @@ class TorchOnCpuExecutor(TorchExecutor):
             copies.src.tolist(), copies.dst.tolist(), copies.nbytes.tolist(), strict=True
         ):
             ctypes.memmove(dst + dst_base, src + src_base, size)
+
+    def _dma(self) -> Dma:
+        return self._memcpy
 
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         ctypes.memmove(dst, src, nbytes)

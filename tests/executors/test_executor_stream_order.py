@@ -420,6 +420,22 @@ def test_timing_events_reused_after_a_finish_capture_the_new_jobs_records() -> N
     _holds(ops_before_the_previous_job_of_their_direction, model)
 
 
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_job_waits_for_the_previous_one_of_its_direction_unless_the_host_saw_it_end(
+    finished: bool,
+) -> None:
+    # a finished job's events went back to the pool: later jobs may record them again
+    steps = (_store(range(0, 2)), *((Finish(0),) if finished else ()), _store(range(2, 4)))
+    model = run(Scenario("mla", 1, 1, steps))
+    first, second = model.jobs.values()
+    previous_end = first.end.label.removeprefix("end (").removesuffix(")")
+    waits = [op for op in model.trace.ops if op.kind is Kind.WAIT and op.job == second.job_id]
+    assert [op.label for op in waits if op.label == previous_end] == (
+        [] if finished else [previous_end]
+    )
+    _holds(ops_before_the_previous_job_of_their_direction, model)
+
+
 @pytest.mark.parametrize("batches", [0, 1, 2, 3])
 def test_a_direction_has_table_slots_jobs_in_flight_and_the_next_waits_for_the_first(
     batches: int,
