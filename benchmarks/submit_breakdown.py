@@ -10,7 +10,7 @@ first events, the table upload, the job's last events, every kernel launch and e
 Medians over the jobs after two warm-ups; the steps do not add up to the whole (the loop around
 them, and the timing itself, about 1 µs a step).
 
-    python3 benchmarks/submit_breakdown.py --variants torch,cupy
+    python3 benchmarks/submit_breakdown.py --variants torch,cupy --bursts 1,4
 """
 
 from __future__ import annotations
@@ -65,8 +65,14 @@ def _timing_result(
     return timing
 
 
-def breakdown(torch: Any, variant: str, page: int, jobs: int) -> dict[str, float]:
-    """Return the median seconds of `submit()` ("submit") and of each step, over `jobs` loads."""
+def breakdown(torch: Any, variant: str, page: int, jobs: int, burst: int = 1) -> dict[str, float]:
+    """Return the median seconds of `submit()` ("submit") and of each step, over `jobs` loads.
+
+    `burst` 1 submits each load right after `wait()` on the previous one, as `transfer.py`
+    measures target 4; a larger `burst` submits that many back to back and then waits for them
+    all, and samples only the 2nd and later of each burst: submits while the GPU is busy with
+    the ones before, as an engine's scheduler would make them.
+    """
     spent: dict[str, float] = defaultdict(float)
     check_bound = executor_base.check_bound
     executor_base.check_bound = _timed(spent, "check", check_bound)
@@ -82,16 +88,20 @@ def breakdown(torch: Any, variant: str, page: int, jobs: int) -> dict[str, float
         planner.plan = _timed(spent, "plan", planner.plan)
         rng = np.random.default_rng(1)
         samples: list[dict[str, float]] = []
-        for job in range(jobs + 2):
-            ids = rng.choice(num_blocks, moved, False)
-            bound = _bound(job, Direction.LOAD, ids, catalog_rows(moved))
-            spent.clear()
-            start = time.perf_counter()
-            executor.submit(bound)
-            submit = time.perf_counter() - start
-            executor.wait([job])
-            if job >= 2:
-                samples.append({"submit": submit, **spent})
+        rows = catalog_rows(moved)
+        job = 0
+        while len(samples) < jobs:
+            first = job
+            for _ in range(burst):
+                bound = _bound(job, Direction.LOAD, rng.choice(num_blocks, moved, False), rows)
+                spent.clear()
+                start = time.perf_counter()
+                executor.submit(bound)
+                submit = time.perf_counter() - start
+                if job >= 2 and (burst == 1 or job > first):  # two warm-ups
+                    samples.append({"submit": submit, **spent})
+                job += 1
+            executor.wait(range(first, job))
     finally:
         executor_base.check_bound = check_bound
         executor.close()
@@ -106,16 +116,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="torch,cupy")
     parser.add_argument("--pages-kib", default="4,16")
     parser.add_argument("--jobs", type=int, default=15)
+    parser.add_argument(
+        "--bursts",
+        default="1",
+        help="loads submitted back to back before waiting, one line each (1: after each wait)",
+    )
     args = parser.parse_args(argv)
     torch = cuda_torch("submit_breakdown.py")
     if torch is None:
         return 0
     print(f"{BLOCKS}-block x 32-layer loads, median us per submit and per step")
-    for variant in args.variants.split(","):
-        for page_kib in (int(p) for p in args.pages_kib.split(",")):
-            times = breakdown(torch, variant, page_kib * KIB, args.jobs)
-            steps = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in times.items() if k != "submit")
-            print(f"{variant} {page_kib} KiB: submit {times['submit'] * 1e6:.0f} | {steps}")
+    for burst in (int(b) for b in args.bursts.split(",")):
+        pattern = "after wait()" if burst == 1 else f"back to back, bursts of {burst}"
+        for variant in args.variants.split(","):
+            for page_kib in (int(p) for p in args.pages_kib.split(",")):
+                times = breakdown(torch, variant, page_kib * KIB, args.jobs, burst)
+                steps = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in times.items() if k != "submit")
+                print(
+                    f"{variant} {page_kib} KiB, {pattern}: submit {times['submit'] * 1e6:.0f} | "
+                    f"{steps}"
+                )
     return 0
 
 
