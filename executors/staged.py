@@ -435,6 +435,7 @@ class StagedGpuExecutor(Executor):
         ):
             self._destroy_event(event)
         self._spare_events.clear()
+        self._last_job.clear()
         self._staging.clear()
         self._tables.clear()
         self._device_tables.clear()
