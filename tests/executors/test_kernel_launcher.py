@@ -1,4 +1,5 @@
-"""`KernelLauncher` hands `cuLaunchKernel` the values it is given, in order, and checks arity."""
+"""`KernelLauncher` hands `cuLaunchKernel` the values it is given, or its holders hold, in order,
+and checks arity."""
 
 from __future__ import annotations
 
@@ -78,3 +79,14 @@ def test_a_launch_with_the_wrong_number_of_values_raises_before_launching(
     with pytest.raises(TypeError, match="takes 3 values"):
         launcher(*values, blocks=1, stream=0)
     assert driver.library.launches == []
+
+
+def test_launch_alone_passes_the_values_the_holders_hold_as_last_set() -> None:
+    driver = _Driver()
+    launcher = KernelLauncher(driver, 1234, ARGUMENTS)
+    launcher(1, 2, 3, blocks=1, stream=0)
+    launcher.holders[1].value = 9  # a batch sets only what changes
+    launcher.launch(4, 7)
+    assert driver.library.launches[1]["values"] == [1, 9, 3]
+    assert driver.library.launches[1]["grid"] == [4, 1, 1]
+    assert driver.library.launches[1]["stream"] == 7
