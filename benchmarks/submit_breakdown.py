@@ -4,7 +4,8 @@ A benchmark, never part of the test suite: it needs a CUDA GPU, torch and the ex
 library; without a GPU it says so and exits 0.
 
 Per executor and page size it submits 2048-block x 32-layer loads (random block ids, catalog
-rows, one `wait()` after each, as `transfer.py` measures target 4), with each step of the
+rows; one `wait()` after each, as `transfer.py` measures target 4, or back to back in bursts
+with `--bursts`), with each step of the
 staged path timed on the host: checking the plan, planning, writing the table slot, the job's
 first events, the table upload, the job's last events, every kernel launch and every DMA.
 Medians over the jobs after two warm-ups; the steps do not add up to the whole (the loop around
