@@ -26,7 +26,6 @@ engine a store waits for the step that wrote its pages, not for the whole queue)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transfer import KIB, VARIANTS, _bound, _ceiling, bench_kv_caches, catalog_rows, cuda_torch
+from transfer import (
+    KIB,
+    VARIANTS,
+    _bound,
+    _ceiling,
+    bench_kv_caches,
+    catalog_rows,
+    cuda_torch,
+    write_json,
+)
 
 from kvferry.core.plan import Direction
 from kvferry.executors import CopyPath, make_executor
@@ -559,18 +567,16 @@ def main() -> int:
     for line in lines:
         print(line)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(
-                {
-                    "device": device,
-                    "args": vars(args),
-                    "ceiling_gbps": {**ceiling, "bidirectional": bidir},
-                    "results": rows,
-                    "summary": lines,
-                },
-                handle,
-                indent=2,
-            )
+        write_json(
+            args.json,
+            {
+                "device": device,
+                "args": vars(args),
+                "ceiling_gbps": {**ceiling, "bidirectional": bidir},
+                "results": rows,
+                "summary": lines,
+            },
+        )
     if args.png and args.json:
         from kvferry.adapters.bench import plot_interference
 

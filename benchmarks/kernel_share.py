@@ -33,7 +33,15 @@ from typing import Any
 
 import numpy as np
 from interference import MATMUL_N, _bidirectional_ceiling
-from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows, cuda_torch
+from transfer import (
+    KIB,
+    VARIANTS,
+    _bound,
+    bench_kv_caches,
+    catalog_rows,
+    cuda_torch,
+    write_json,
+)
 
 from kvferry.core.plan import Direction
 from kvferry.executors import make_executor
@@ -145,12 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         "allows a matmul beside the transfers 3 % in all"
     )
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(
-                {"sms": sms, "matmul_kernel": shape, "bidirectional_gbps": bidir, "rows": rows},
-                handle,
-                indent=2,
-            )
+        write_json(
+            args.json,
+            {"sms": sms, "matmul_kernel": shape, "bidirectional_gbps": bidir, "rows": rows},
+        )
     return 0
 
 

@@ -85,6 +85,12 @@ def bench_kv_caches(
     )
 
 
+def write_json(path: str | Path, data: Any) -> None:
+    """Write a benchmark's raw numbers to `path` as indented JSON."""
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2)
+
+
 def cuda_torch(script: str) -> Any:
     """Return torch when it can see a CUDA GPU; else say why `script` measures nothing and
     return None (the GPU benchmarks then exit 0)."""
@@ -379,12 +385,9 @@ def run_multi_gpu(args: argparse.Namespace) -> None:
                         "rank_copy_gbps": per_rank,
                     })  # fmt: skip
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(
-                {"gpus": gpus, "note": note, "ceiling_gbps": ceiling, "results": rows_out},
-                handle,
-                indent=2,
-            )
+        write_json(
+            args.json, {"gpus": gpus, "note": note, "ceiling_gbps": ceiling, "results": rows_out}
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -565,18 +568,16 @@ def main() -> None:
         print(line)
     json_path = args.json or (args.png.with_suffix(".json") if args.png else None)
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as handle:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "ceiling_gbps": ceiling,
-                    "jobs": layout,
-                    "results": rows_out,
-                    "submit_2048_block_load_seconds": submit_2048,
-                },
-                handle,
-                indent=2,
-            )
+        write_json(
+            json_path,
+            {
+                "device": torch.cuda.get_device_name(),
+                "ceiling_gbps": ceiling,
+                "jobs": layout,
+                "results": rows_out,
+                "submit_2048_block_load_seconds": submit_2048,
+            },
+        )
     if args.png and json_path:
         from kvferry.adapters.bench import plot_transfer
 
