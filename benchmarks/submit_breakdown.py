@@ -7,7 +7,8 @@ Per executor and page size it submits 2048-block x 32-layer loads (random block 
 rows; one `wait()` after each, as `transfer.py` measures target 4, or back to back in bursts
 with `--bursts`), with each step of the
 staged path timed on the host: checking the plan, planning, writing the table slot, the job's
-first events, the table upload, the job's last events, every kernel launch and every DMA.
+first events, the table upload, the job's last events, and the batch loop (every kernel launch
+and every DMA, queued by compiled code).
 Medians over the jobs after two warm-ups; the steps do not add up to the whole (the loop around
 them, and the timing itself, about 1 µs a step).
 
@@ -30,14 +31,11 @@ from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows, cuda_
 
 import kvferry.executors.base as executor_base
 from kvferry.core.plan import Direction
-from kvferry.executors import make_executor
+from kvferry.executors import _native, make_executor
 
 BLOCKS = 2048
 STEPS = ("_table_slot", "_begin", "_upload", "_end")
 """The staged executor's steps timed on the instance (plus `check_bound` and the planner)."""
-PER_BATCH = {"_stage_kernel": "launch", "_dma": "dma"}
-"""The executor's methods that return a job's per-batch calls, and the name each call's time
-is added under."""
 
 
 def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
@@ -54,18 +52,6 @@ def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> 
     return timed
 
 
-def _timing_result(
-    spent: dict[str, float], name: str, method: Callable[..., Callable[..., Any]]
-) -> Callable[..., Callable[..., Any]]:
-    """Return `method` whose result, a function, adds its host seconds to `spent[name]`."""
-
-    @functools.wraps(method)
-    def timing(*args: Any, **kwargs: Any) -> Callable[..., Any]:
-        return _timed(spent, name, method(*args, **kwargs))
-
-    return timing
-
-
 def breakdown(torch: Any, variant: str, page: int, jobs: int, burst: int = 1) -> dict[str, float]:
     """Return the median seconds of `submit()` ("submit") and of each step, over `jobs` loads.
 
@@ -75,16 +61,15 @@ def breakdown(torch: Any, variant: str, page: int, jobs: int, burst: int = 1) ->
     the ones before, as an engine's scheduler would make them.
     """
     spent: dict[str, float] = defaultdict(float)
-    check_bound = executor_base.check_bound
+    check_bound, queue_batches = executor_base.check_bound, _native.queue_batches
     executor_base.check_bound = _timed(spent, "check", check_bound)
+    _native.queue_batches = _timed(spent, "batches", queue_batches)  # type: ignore[assignment]
     name, options = VARIANTS[variant]
     moved, num_blocks, kv = bench_kv_caches(torch, 32, page, BLOCKS * 32 * page)
     executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
     try:
         for step in STEPS:
             setattr(executor, step, _timed(spent, step.strip("_"), getattr(executor, step)))
-        for method, name in PER_BATCH.items():
-            setattr(executor, method, _timing_result(spent, name, getattr(executor, method)))
         planner = executor._planner
         planner.plan = _timed(spent, "plan", planner.plan)
         rng = np.random.default_rng(1)
@@ -104,11 +89,11 @@ def breakdown(torch: Any, variant: str, page: int, jobs: int, burst: int = 1) ->
                 job += 1
             executor.wait(range(first, job))
     finally:
-        executor_base.check_bound = check_bound
+        executor_base.check_bound, _native.queue_batches = check_bound, queue_batches
         executor.close()
         del kv
         torch.cuda.empty_cache()
-    keys = ["submit", "check", "plan", *(step.strip("_") for step in STEPS), *PER_BATCH.values()]
+    keys = ["submit", "check", "plan", *(step.strip("_") for step in STEPS), "batches"]
     return {key: statistics.median(s.get(key, 0.0) for s in samples) for key in keys}
 
 

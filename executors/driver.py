@@ -73,44 +73,54 @@ class CudaDriver:
         """Return `libcuda`, its functions' argument types set."""
         return self._lib
 
+    @property
+    def launch_address(self) -> int:
+        """Return the address of `cuLaunchKernel`, for compiled code to call."""
+        return _address(self._lib.cuLaunchKernel)
+
+    @property
+    def memcpy_address(self) -> int:
+        """Return the address of `cuMemcpyAsync`, for compiled code to call."""
+        return _address(self._lib.cuMemcpyAsync)
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Queue a copy of `nbytes` from `src` to `dst` (unified addresses) on `stream`."""
         status = self._lib.cuMemcpyAsync(dst, src, nbytes, stream)
         if status:  # checked here, not in `_check`: one call less per copy on a hot path
-            _check(status, "cuMemcpyAsync")
+            check_status(status, "cuMemcpyAsync")
 
     def event(self, *, timing: bool) -> int:
         """Return a new event on the current context (timing, or the cheaper kind without)."""
         handle = ctypes.c_void_p()
         flags = 0 if timing else _EVENT_DISABLE_TIMING
-        _check(self._lib.cuEventCreate(ctypes.byref(handle), flags), "cuEventCreate")
+        check_status(self._lib.cuEventCreate(ctypes.byref(handle), flags), "cuEventCreate")
         return int(handle.value or 0)
 
     def record(self, event: int, stream: int) -> None:
         """Record `event` on `stream`."""
-        _check(self._lib.cuEventRecord(event, stream), "cuEventRecord")
+        check_status(self._lib.cuEventRecord(event, stream), "cuEventRecord")
 
     def wait(self, stream: int, event: int) -> None:
         """Make `stream` wait for the work `event` last captured."""
-        _check(self._lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+        check_status(self._lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
 
     def done(self, event: int) -> bool:
         """Return True once `event`'s work has completed."""
         status = self._lib.cuEventQuery(event)
         if status == _NOT_READY:
             return False
-        _check(status, "cuEventQuery")
+        check_status(status, "cuEventQuery")
         return True
 
     def synchronize(self, event: int) -> None:
         """Block until `event`'s work has completed."""
-        _check(self._lib.cuEventSynchronize(event), "cuEventSynchronize")
+        check_status(self._lib.cuEventSynchronize(event), "cuEventSynchronize")
 
     def elapsed(self, start: int, end: int) -> float:
         """Block until `end`; return the seconds from `start` to `end` (timing events)."""
         self.synchronize(end)
         milliseconds = ctypes.c_float()
-        _check(
+        check_status(
             self._lib.cuEventElapsedTime(ctypes.byref(milliseconds), start, end),
             "cuEventElapsedTime",
         )
@@ -118,12 +128,12 @@ class CudaDriver:
 
     def destroy(self, event: int) -> None:
         """Release `event` (work already queued on it still completes)."""
-        _check(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
+        check_status(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
 
 
 class KernelLauncher:
     """Launches one compiled kernel, on `THREADS`-thread blocks, with its argument holders made
-    once: a launch sets their values and makes one driver call (`launch` alone reuses them).
+    once: a launch sets their values and makes one driver call.
 
     Not thread-safe: one executor launches from one thread at a time.
     """
@@ -143,10 +153,9 @@ class KernelLauncher:
         )
 
     @property
-    def holders(self) -> tuple[ctypes._SimpleCData[Any], ...]:
-        """Return the kernel parameters' holders, in order: a launch passes their values as they
-        are then (the driver copies them), so a caller may set a few and launch again."""
-        return self._holders
+    def function(self) -> int:
+        """Return the kernel's `CUfunction` as an integer."""
+        return int(self._function.value or 0)
 
     def __call__(self, *values: int, blocks: int, stream: int) -> None:
         """Launch on `blocks` thread blocks on raw stream `stream`, the parameters set to
@@ -155,11 +164,6 @@ class KernelLauncher:
             raise TypeError(f"the kernel takes {len(self._holders)} values, not {len(values)}")
         for holder, value in zip(self._holders, values, strict=False):  # checked just above
             holder.value = value
-        self.launch(blocks, stream)
-
-    def launch(self, blocks: int, stream: int) -> None:
-        """Launch on `blocks` thread blocks on raw stream `stream`, the parameters as the holders
-        hold them."""
         one = self._one
         status = self._launch(
             self._function,
@@ -175,7 +179,7 @@ class KernelLauncher:
             None,
         )
         if status:
-            _check(status, "cuLaunchKernel")
+            check_status(status, "cuLaunchKernel")
 
 
 _EVENT_DISABLE_TIMING = 2
@@ -185,6 +189,11 @@ _NOT_READY = 600
 """CUDA_ERROR_NOT_READY: what cuEventQuery answers for work still running."""
 
 
-def _check(status: int, call: str) -> None:
+def _address(function: Any) -> int:
+    return int(ctypes.cast(function, ctypes.c_void_p).value or 0)
+
+
+def check_status(status: int, call: str) -> None:
+    """Raise `RuntimeError` naming `call` when the driver answered `status` other than 0."""
     if status != 0:
         raise RuntimeError(f"{call} failed with CUDA driver error {status}")

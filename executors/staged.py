@@ -24,8 +24,9 @@ import numpy as np
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.plan import Direction
+from kvferry.executors import _native
 from kvferry.executors.base import CopyPath, Executor
-from kvferry.executors.driver import CudaDriver, KernelLauncher
+from kvferry.executors.driver import CudaDriver, KernelLauncher, check_status
 from kvferry.executors.kernels import (
     PIECE_BYTES,
     STAGE_COPY_NAME,
@@ -61,13 +62,22 @@ DEFAULT_COPY_BLOCKS = 128
 """Thread blocks of a staging kernel launch: enough for HBM speed, far fewer than a full GPU."""
 
 StageCopy = Callable[[int, int, int, int, int], None]
-"""One job's staging-kernel launch: `(stream, segments, count, stage, blocks)` runs the kernel on
-raw stream `stream` over the `count` slice lines at address `segments`, with staging half
-`stage`, on `blocks` thread blocks (see `StagedGpuExecutor._stage_kernel`)."""
+"""One job's staging-kernel launch as a callable: `(stream, segments, count, stage, blocks)` runs
+the kernel on raw stream `stream` over the `count` slice lines at address `segments`, with
+staging half `stage`, on `blocks` thread blocks."""
 
-Dma = Callable[[int, int, int, int], None]
+NativeLaunch = tuple[int, int, int, int, int, bool, int]
+"""One job's staging-kernel launch for the compiled batch loop to make itself: the address of
+`cuLaunchKernel`, the kernel's `CUfunction`, threads per block, and the job's constant kernel
+parameters (ref table address, block ids address, to_stage, piece bytes)."""
+
+StageKernel = StageCopy | NativeLaunch
+"""What `StagedGpuExecutor._stage_kernel` returns: either form serves the batch loop."""
+
+Dma = Callable[[int, int, int, int], None] | int
 """`(dst, src, nbytes, stream)` queues one copy between unified addresses (pinned host or
-device) on raw stream `stream`."""
+device) on raw stream `stream`; or, for the compiled batch loop to call, the address of a
+function of `cuMemcpyAsync`'s signature."""
 
 
 @attrs.define
@@ -224,29 +234,25 @@ class StagedGpuExecutor(Executor):
         self._cuda().destroy(event)
 
     def _dma(self) -> Dma:
-        """Return the function that queues one DMA (`Dma`)."""
-        return self._cuda().memcpy_async
+        """Return how the batch loop queues one DMA (`Dma`): the driver's `cuMemcpyAsync`,
+        called from the compiled loop."""
+        return self._cuda().memcpy_address
 
-    def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageCopy:
-        """Return one job's launch of `kernels.STAGE_COPY_SOURCE` (`StageCopy`), gathering into
+    def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageKernel:
+        """Return one job's launch of `kernels.STAGE_COPY_SOURCE` (`StageKernel`), gathering into
         staging when `to_stage` (else scattering from it), with the ref table at `refs` and the
-        block ids at `ids`; valid until the next call.
-
-        A job launches the kernel once per batch, and the batch loop is most of `submit()`'s host
-        time: the job's constant parameters are set here once, a launch sets the other three and
-        makes the driver call.
-        """
+        block ids at `ids`: here the driver's `cuLaunchKernel`, called from the compiled loop
+        with the kernel's parameters in `_STAGE_COPY_ARGUMENTS`' order."""
         launcher = self._launcher(STAGE_COPY_SOURCE, STAGE_COPY_NAME, _STAGE_COPY_ARGUMENTS)
-        lines_at, lines, refs_at, ids_at, stage_at, to_stage_is, piece = launcher.holders
-        refs_at.value, ids_at.value = refs, ids
-        to_stage_is.value, piece.value = int(to_stage), PIECE_BYTES
-        launch = launcher.launch
-
-        def stage_copy(stream: int, segments: int, count: int, stage: int, blocks: int) -> None:
-            lines_at.value, lines.value, stage_at.value = segments, count, stage
-            launch(blocks, stream)
-
-        return stage_copy
+        return (
+            self._cuda().launch_address,
+            launcher.function,
+            THREADS,
+            refs,
+            ids,
+            to_stage,
+            PIECE_BYTES,
+        )
 
     def _copy_table(self, dst: int, src: int, count: int, stream: int) -> None:
         """Queue the copy of `count` int64 from pinned `src` to GPU `dst` on raw stream `stream`,
@@ -311,7 +317,14 @@ class StagedGpuExecutor(Executor):
         return last
 
     def _enqueue_staged(self, bound: BoundPlan) -> GpuJob:
-        """Queue a staged transfer, batch k on lane k % 2; return its job."""
+        """Queue a staged transfer; return its job.
+
+        Batch k runs on lane k % 2 with staging half k % 2: a store gathers the batch's pages
+        into the half with one kernel launch and then copies the half out with the batch's link
+        copies; a load copies in, then scatters. The launch takes one block per `WARPS` kernel
+        pieces, at most `copy_blocks`. The batch loop is compiled (`_native.queue_batches`):
+        in Python it was most of a large job's submit time.
+        """
         direction = bound.plan.direction
         lanes = self._lane_handles[direction]
         plan = self._planner.plan(bound)
@@ -326,25 +339,27 @@ class StagedGpuExecutor(Executor):
         ids_address = refs + self._planner.ref_table.nbytes
         segments = ids_address + 8 * len(ids)
         line_bytes = plan.table.shape[1] * 8
-        stages = self._stages(direction)
         store = direction is Direction.STORE
-        host = self.host_tier.address
-        lines, link = plan.line_bounds, plan.link_bounds
-        src, dst, size = plan.link_src, plan.link_dst, plan.link_size
-        stage_copy = self._stage_kernel(refs=refs, ids=ids_address, to_stage=store)
-        memcpy, most = self._dma(), self._copy_blocks
-        for k, items in enumerate(plan.items):
-            lane, stage = lanes[k % 2], stages[k % 2]
-            src_base, dst_base = (stage, host) if store else (host, stage)
-            count = lines[k + 1] - lines[k]  # none for a batch of no slice line
-            blocks = -(-items // WARPS) or 1
-            blocks = blocks if blocks < most else most
-            if store and count:  # gather, then copy out
-                stage_copy(lane, segments + line_bytes * lines[k], count, stage, blocks)
-            for i in range(link[k], link[k + 1]):
-                memcpy(dst_base + dst[i], src_base + src[i], size[i], lane)
-            if count and not store:  # copy in, then scatter
-                stage_copy(lane, segments + line_bytes * lines[k], count, stage, blocks)
+        failed = _native.queue_batches(
+            self._stage_kernel(refs=refs, ids=ids_address, to_stage=store),
+            self._dma(),
+            lanes,
+            self._stages(direction),
+            self.host_tier.address,
+            store,
+            segments,
+            line_bytes,
+            self._copy_blocks,
+            WARPS,
+            plan.items,
+            plan.line_bounds,
+            plan.link_bounds,
+            plan.link_src,
+            plan.link_dst,
+            plan.link_size,
+        )
+        if failed:
+            check_status(*failed)
         self._end(direction, job, len(plan))
         slot.job = job  # its end comes after the upload that read the slot
         return job

@@ -1,12 +1,13 @@
 """Splitting a transfer into batches that pass through a bounded GPU staging buffer.
 
-numpy only, and O(keys) per job in one pass; the rest is arithmetic per batch: it never lists
-a page. A batch is a run of consecutive keys whose CPU rows fit in the buffer, laid out there
-exactly as in the tier, so its link copies are one DMA per contiguous range of rows. The on-GPU
-side of a batch is a few lines of a *slice table* (one line per group in the batch), read with
-the layout's *ref table* (one line per ref, built once): from the two the copy kernel
-(`kernels.STAGE_COPY_SOURCE`) computes every page address itself. `segment_copies` is the same
-arithmetic in numpy, the kernel's specification and its stand-in on machines without a GPU.
+numpy, and compiled loops (`_native`) for the arithmetic per batch and slice; O(keys) per job in
+one pass, and it never lists a page. A batch is a run of consecutive keys whose CPU rows fit in
+the buffer, laid out there exactly as in the tier, so its link copies are one DMA per contiguous
+range of rows. The on-GPU side of a batch is a few lines of a *slice table* (one line per group in
+the batch), read with the layout's *ref table* (one line per ref, built once): from the two the
+copy kernel (`kernels.STAGE_COPY_SOURCE`) computes every page address itself. `segment_copies`
+is the same arithmetic in numpy, the kernel's specification and its stand-in on machines without
+a GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList
 from kvferry.core.layout import KVLayout
 from kvferry.core.plan import Direction, chunks_spanned
+from kvferry.executors import _native
 
 REF_FIELDS = (
     "gpu_base",
@@ -207,22 +209,33 @@ class StagePlanner:
         """Return the batches of `bound`: runs of consecutive keys whose rows fit in staging.
 
         Expects a plan `check_bound` accepted. A key of group `g` takes `group_row_bytes(g)` of
-        staging. Where the link waits for a kernel, the batch holds at most `ramp_bytes`: a
-        store's first (its gather runs before the first DMA can start), a load's last (its
-        scatter runs after the last DMA); the other batches fill the staging half, since each
-        batch costs host calls. A load reads whole rows (bytes it does not need land in staging and
-        stay there); a store writes whole rows only where the plan fills them, and exactly its
-        pages elsewhere (a partial last chunk, padded pages), so the tier keeps every byte the
-        plan does not name. No link copy crosses a multiple of `tier_piece_bytes` in the tier.
-        Work per job: Python over batches and groups, numpy over segment lines and link copies;
-        the keys themselves are touched by one numpy pass (finding runs of consecutive rows).
+        staging. Keys are cut into batches greedily, group after group (a group's keys all take
+        the same staging bytes, so this is arithmetic per batch). Where the link waits for a
+        kernel, the batch holds at most `ramp_bytes`: a store's first (its gather runs before
+        the first DMA can start), a load's last (its scatter runs after the last DMA); the other
+        batches fill the staging half, since each batch costs host calls. A load reads whole
+        rows (bytes it does not need land in staging and stay there); a store writes whole rows
+        only where the plan fills them, and exactly its pages elsewhere (a partial last chunk,
+        padded pages), so the tier keeps every byte the plan does not name. No link copy crosses
+        a multiple of `tier_piece_bytes` in the tier.
+
+        Work per job: compiled loops over batches and slices (`_native`), numpy over link
+        copies where the rows are not one run; the keys themselves are touched by one pass.
         """
         groups = self._groups(bound)
-        slices = self._slices(groups, bound.plan.direction)
-        table, line_bounds, items, nbytes = self._slice_table(groups, slices)
+        direction = bound.plan.direction
+        table_bytes, line_bytes, line_bounds, stage_bytes, items, nbytes = _native.slice_batches(
+            groups,
+            direction is Direction.STORE,
+            self._capacity,
+            self._ramp_bytes,
+            self._layout.blocks_per_chunk,
+        )
+        table = np.frombuffer(table_bytes, np.int64).reshape(-1, len(SLICE_FIELDS))
+        lines = np.frombuffer(line_bytes, np.int64).reshape(-1, _SLICE_LINE_WIDTH)
         rows = np.asarray(bound.cpu_rows, np.int64)
         (src, dst, size), link_bounds = self._link_copies(
-            bound.plan.direction, groups, slices, rows
+            direction, groups, lines, len(stage_bytes), rows
         )
         # built unchecked: every field comes from the arithmetic above, on a checked plan
         return _new_plan(
@@ -233,7 +246,7 @@ class StagePlanner:
             link_dst=dst,
             link_size=size,
             link_bounds=link_bounds,
-            stage_bytes=tuple(slices.stage_bytes),
+            stage_bytes=stage_bytes,
             items=items,
             nbytes=nbytes,
         )
@@ -248,99 +261,48 @@ class StagePlanner:
             skip = first % f
             keys = chunks_spanned(n, skip, f)
             if keys:
-                out.append(_Group(g, n, skip, keys, key0, id0, self._sizes[g]))
+                out.append(_Group(*self._refs_of[g], n, skip, keys, key0, id0, self._sizes[g], g))
             key0 += keys
             id0 += n
         return out
 
-    def _slices(self, groups: list[_Group], direction: Direction) -> _Slices:
-        """Return the keys cut into batches, greedily, group by group (a group's keys all take
-        the same staging bytes, so this is arithmetic per batch, not a pass over keys); a
-        store's first batch and a load's last hold at most the ramp (see `plan`)."""
-        ramp, capacity = self._ramp_bytes, self._capacity
-        small_first = direction is Direction.STORE
-        total = sum(group.keys * group.size for group in groups)
-        lines: list[_Slice] = []
-        bounds: list[int] = [0]
-        stage_bytes: list[int] = []
-        gi, taken, done = 0, 0, 0  # group index, its keys already batched, bytes batched
-        while gi < len(groups):
-            left = total - done
-            limit = ramp if small_first and done == 0 else capacity
-            if not small_first and ramp < left <= capacity + ramp:
-                limit = min(limit, left - ramp)  # leave a small last batch
-            used = 0
-            while gi < len(groups):
-                keys, size = groups[gi].keys, groups[gi].size
-                room = (limit - used) // size if limit > used else 0  # keys that fit
-                count = room if room < keys - taken else keys - taken
-                if count == 0 and used:
-                    break
-                count = count or 1  # a row larger than the ramp still moves, alone
-                lines.append((len(stage_bytes), gi, taken, count, used))
-                used += count * size
-                taken += count
-                if taken < keys:
-                    break  # the batch is full: not even one more of these keys fits
-                gi, taken = gi + 1, 0
-            bounds.append(len(lines))
-            stage_bytes.append(used)
-            done += used
-        return _Slices(lines=lines, bounds=bounds, stage_bytes=stage_bytes)
-
-    def _slice_table(
-        self, groups: list[_Group], slices: _Slices
-    ) -> tuple[IdArray, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """Return the job's slice table (batch after batch), the bounds of each batch's lines,
-        and per batch its kernel pieces and its bytes: Python per slice, one array at the end."""
-        f = self._layout.blocks_per_chunk
-        refs_of = self._refs_of
-        n_batches = len(slices.stage_bytes)
-        items, nbytes = [0] * n_batches, [0] * n_batches
-        lines: list[int] = []
-        for b, gi, first, keys, stage in slices.lines:
-            group = groups[gi]
-            first_ref, refs, page_pieces, page_bytes = refs_of[group.g]
-            # positions in the group's rows: the slice's keys hold start .. end - 1, the group's
-            # pages skip .. skip + n - 1 (conditionals, not min/max: this runs on every submit)
-            start, end, stop = first * f, (first + keys) * f, group.skip + group.n
-            lo = start if start > group.skip else group.skip
-            pages = (end if end < stop else stop) - lo
-            lines += (
-                first_ref,
-                refs,
-                stage,
-                group.id0 + lo - group.skip,
-                lo - start,
-                pages,
-                items[b],
-            )
-            items[b] += pages * page_pieces
-            nbytes[b] += pages * page_bytes
-        table = np.array(lines, np.int64).reshape(-1, len(SLICE_FIELDS))
-        table.setflags(write=False)
-        return table, tuple(slices.bounds), tuple(items), tuple(nbytes)
-
     def _link_copies(
-        self, direction: Direction, groups: list[_Group], slices: _Slices, rows: IdArray
+        self,
+        direction: Direction,
+        groups: list[_Group],
+        lines: IdArray,
+        n_batches: int,
+        rows: IdArray,
     ) -> tuple[_Columns, tuple[int, ...]]:
         """Return the job's merged link copies, as (src, dst, size) offsets batch after batch
         (stage -> tier for a store, tier -> stage for a load), and the bounds of each batch's.
+        `lines` are the job's slices (`_SLICE_LINE_WIDTH` columns: batch, group, first key,
+        keys, stage offset).
 
         A copy is a run of keys of one slice whose rows are consecutive (and, in the tier,
         adjacent: the group's chunk fills the row); a store's keys the plan does not fill, or
         whose pages are padded, are copied page by page instead.
         """
-        n_batches = len(slices.stage_bytes)
         if not groups:
             return ((), (), ()), (0,) * (n_batches + 1)
         exact = self._exact_keys(direction, groups)
-        jumps = rows[1:] - rows[:-1] != 1
         whole_rows = all(group.size == self._row_bytes for group in groups)
-        if not np.count_nonzero(jumps) and not len(exact) and whole_rows:
-            return self._run_copies(direction, groups, slices, int(rows[0]))
-        breaks = np.flatnonzero(jumps) + 1
-        batch_of, group_of, first, _, stage_of = np.array(slices.lines, np.int64).T
+        if not len(exact) and whole_rows and _native.consecutive(rows):
+            # one copy per slice, cut only at the tier's registration boundaries (the common job)
+            per_piece = self._tier_piece_bytes // self._row_bytes
+            key0 = [group.key0 for group in groups]
+            run_src, run_dst, run_size, run_bounds = _native.run_copies(
+                lines.tobytes(),
+                key0,
+                n_batches,
+                int(rows[0]),
+                self._row_bytes,
+                per_piece,
+                direction is Direction.STORE,
+            )
+            return (run_src, run_dst, run_size), run_bounds
+        breaks = np.flatnonzero(rows[1:] - rows[:-1] != 1) + 1
+        batch_of, group_of, first, _, stage_of = lines.T
         key0 = np.asarray([group.key0 for group in groups], np.int64)[group_of] + first
         starts = self._copy_starts(groups, key0, rows, breaks, exact)
         ends = np.append(starts[1:], len(rows))
@@ -369,32 +331,6 @@ class StagePlanner:
         bounds = np.searchsorted(batch, np.arange(n_batches + 1)).tolist()
         columns = (tuple(src.tolist()), tuple(dst.tolist()), tuple(size.tolist()))
         return columns, tuple(bounds)
-
-    def _run_copies(
-        self, direction: Direction, groups: list[_Group], slices: _Slices, first_row: int
-    ) -> tuple[_Columns, tuple[int, ...]]:
-        """`_link_copies` where the rows are one consecutive run and every chunk fills its row
-        (a fresh tier's rows for whole chunks, the common job): one copy per slice, cut only at
-        the tier's registration boundaries, worked out in Python per slice."""
-        row_bytes = self._row_bytes
-        per_piece = self._tier_piece_bytes // row_bytes
-        stage: list[int] = []
-        tier: list[int] = []
-        size: list[int] = []
-        bounds = [0] * (len(slices.stage_bytes) + 1)
-        for b, gi, first, keys, at in slices.lines:
-            start = first_row + groups[gi].key0 + first
-            row, end = start, start + keys
-            while row < end:
-                stop = (row // per_piece + 1) * per_piece if per_piece else end
-                stop = end if stop > end else stop
-                stage.append(at + (row - start) * row_bytes)
-                tier.append(row * row_bytes)
-                size.append((stop - row) * row_bytes)
-                row = stop
-            bounds[b + 1] = len(size)
-        src, dst = (stage, tier) if direction is Direction.STORE else (tier, stage)
-        return (tuple(src), tuple(dst), tuple(size)), tuple(bounds)
 
     def _exact_keys(self, direction: Direction, groups: list[_Group]) -> IdArray:
         """Return the keys a store must copy page by page: partial chunks, padded pages."""
@@ -436,8 +372,7 @@ class StagePlanner:
         f = self._layout.blocks_per_chunk
         first = group.skip if local == 0 else 0
         end = min(group.skip + group.n - local * f, f)
-        group_refs = self._refs_of[group.g]
-        refs = self.ref_table[group_refs.first_ref : group_refs.first_ref + group_refs.refs]
+        refs = self.ref_table[group.first_ref : group.first_ref + group.refs]
         slots = np.arange(first, end, dtype=np.int64)
         offset = refs[:, _REF["row_offset"], None]
         stride = refs[:, _REF["page_stride"], None]
@@ -458,31 +393,27 @@ class _GroupRefs(NamedTuple):
 
 
 class _Group(NamedTuple):
-    """A group the plan moves: its index, blocks, skip, keys, first key and id, key bytes."""
+    """A group the plan moves: its ref-table lines and page costs (as `_GroupRefs`), then its
+    blocks, skip, keys, first key and first id, key bytes, and its number in the layout. The
+    compiled slicer (`_native.slice_batches`) reads the fields before `g`, in this order."""
 
-    g: int
+    first_ref: int
+    refs: int
+    page_pieces: int
+    page_bytes: int
     n: int
     skip: int
     keys: int
     key0: int
     id0: int
     size: int
+    g: int
 
 
-_Slice = tuple[int, int, int, int, int]
-"""The keys of one group in one batch: the batch, the group (an index into the job's groups,
-not the layout's group number), the slice's first key counted in its group, its key count, and
-the offset of its first key in the batch's staging."""
-
-
-class _Slices(NamedTuple):
-    """The (batch, group) slices of a job, batch after batch, and each batch's staging bytes."""
-
-    lines: list[_Slice]
-    bounds: list[int]
-    """Batch k's slices are `lines[bounds[k]:bounds[k + 1]]`."""
-    stage_bytes: list[int]
-    """Per batch: the staging bytes it uses."""
+_SLICE_LINE_WIDTH = 5
+"""Columns of a job's slice list (`_native.slice_batches`): the batch, the group (an index into
+the job's groups, not the layout's group number), the slice's first key counted in its group,
+its key count, and the offset of its first key in the batch's staging."""
 
 
 def segment_copies(

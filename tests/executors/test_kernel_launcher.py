@@ -1,5 +1,4 @@
-"""`KernelLauncher` hands `cuLaunchKernel` the values it is given, or its holders hold, in order,
-and checks arity."""
+"""`KernelLauncher` hands `cuLaunchKernel` the values it is given, in order, and checks arity."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from typing import Any
 import pytest
 
 from kvferry.executors.driver import KernelLauncher
-from kvferry.executors.kernels import PIECE_BYTES, THREADS
-from kvferry.executors.staged import _STAGE_COPY_ARGUMENTS, StagedGpuExecutor
+from kvferry.executors.kernels import THREADS
 
 ARGUMENTS = (ctypes.c_uint64, ctypes.c_int, ctypes.c_longlong)
 
@@ -82,43 +80,3 @@ def test_a_launch_with_the_wrong_number_of_values_raises_before_launching(
     with pytest.raises(TypeError, match="takes 3 values"):
         launcher(*values, blocks=1, stream=0)
     assert driver.library.launches == []
-
-
-def test_launch_alone_passes_the_values_the_holders_hold_as_last_set() -> None:
-    driver = _Driver()
-    launcher = KernelLauncher(driver, 1234, ARGUMENTS)
-    launcher(1, 2, 3, blocks=1, stream=0)
-    launcher.holders[1].value = 9  # a batch sets only what changes
-    launcher.launch(4, 7)
-    assert driver.library.launches[1]["values"] == [1, 9, 3]
-    assert driver.library.launches[1]["grid"] == [4, 1, 1]
-    assert driver.library.launches[1]["stream"] == 7
-
-
-class _LaunchesOne:
-    """Stands in for a staged executor whose only kernel is `launcher`."""
-
-    def __init__(self, launcher: KernelLauncher) -> None:
-        self.launcher = launcher
-
-    def _launcher(self, *_: Any) -> KernelLauncher:
-        return self.launcher
-
-
-def test_a_jobs_stage_kernel_passes_its_constants_and_each_batchs_values_in_kernel_order() -> None:
-    driver = _Driver(_STAGE_COPY_ARGUMENTS)
-    launcher = KernelLauncher(driver, 1234, _STAGE_COPY_ARGUMENTS)
-    stage_kernel = StagedGpuExecutor._stage_kernel
-    stage_copy = stage_kernel(_LaunchesOne(launcher), refs=100, ids=200, to_stage=True)  # type: ignore[arg-type]
-    stage_copy(7, 1000, 3, 5000, 12)
-    stage_copy(8, 2000, 4, 6000, 13)
-    first, second = driver.library.launches
-    # segments, count, refs, ids, stage, to_stage, piece bytes
-    assert first["values"] == [1000, 3, 100, 200, 5000, 1, PIECE_BYTES]
-    assert second["values"] == [2000, 4, 100, 200, 6000, 1, PIECE_BYTES]
-    assert (first["stream"], first["grid"][0], second["stream"], second["grid"][0]) == (
-        7,
-        12,
-        8,
-        13,
-    )

@@ -1,0 +1,408 @@
+/* The staged path's per-job loops, compiled: batch slicing, run copies, and the batch loop.
+ *
+ * `kvferry.executors.staging` and `kvferry.executors.staged` call these on every submit(): in
+ * Python they were most of a 2048-block load's host time (docs/benchmarks.md). Each function
+ * here is specified by its caller's docstring and tested through it; none keeps state.
+ *
+ * Integers cross as Python ints and tuples; int64 tables come back as `bytes`, which numpy
+ * views without a copy (and read-only, as the planner's tables must be).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Widths of the planner's tables: keep equal to staging.SLICE_FIELDS and the slice tuple. */
+#define SLICE_WIDTH 7
+#define LINE_WIDTH 5
+/* The first fields of a group tuple, in the order of staging._Group (which has more). */
+enum { G_FIRST_REF, G_REFS, G_PAGE_PIECES, G_PAGE_BYTES, G_N, G_SKIP, G_KEYS, G_KEY0, G_ID0,
+       G_SIZE, G_WIDTH };
+
+/* A growable int64 array. */
+typedef struct {
+    int64_t *data;
+    Py_ssize_t len, cap;
+} Column;
+
+static int push(Column *c, int64_t value) {
+    if (c->len == c->cap) {
+        Py_ssize_t cap = c->cap ? 2 * c->cap : 64;
+        int64_t *data = PyMem_Realloc(c->data, (size_t)cap * sizeof(int64_t));
+        if (!data) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->data = data;
+        c->cap = cap;
+    }
+    c->data[c->len++] = value;
+    return 0;
+}
+
+static PyObject *as_bytes(const Column *c) {
+    return PyBytes_FromStringAndSize((const char *)c->data, c->len * (Py_ssize_t)sizeof(int64_t));
+}
+
+static PyObject *as_tuple(const int64_t *values, Py_ssize_t n) {
+    PyObject *out = PyTuple_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyLong_FromLongLong(values[i]);
+        if (!item) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+/* Read a sequence of ints into a new array (PyMem); NULL with an exception on failure. */
+static int64_t *read_ints(PyObject *sequence, Py_ssize_t *n, const char *what) {
+    PyObject *fast = PySequence_Fast(sequence, what);
+    if (!fast) return NULL;
+    *n = PySequence_Fast_GET_SIZE(fast);
+    int64_t *out = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof(int64_t));
+    if (!out) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        out[i] = PyLong_AsLongLong(items[i]);
+        if (out[i] == -1 && PyErr_Occurred()) {
+            PyMem_Free(out);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
+/* slice_batches(groups, small_first, capacity, ramp, f)
+ *   -> (table, lines, bounds, stage_bytes, items, nbytes)
+ * `groups`: one tuple per group the plan moves, its first G_WIDTH fields ints. `table` is the
+ * job's slice table (bytes of int64, SLICE_WIDTH per line), `lines` its slices (bytes,
+ * LINE_WIDTH per slice: batch, group, first key, keys, stage offset), `bounds` the batches'
+ * first slices (and the end), the rest one int per batch. StagePlanner.plan states the rule. */
+static PyObject *slice_batches(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *groups_in;
+    int small_first;
+    long long capacity, ramp, f;
+    if (!PyArg_ParseTuple(args, "OpLLL", &groups_in, &small_first, &capacity, &ramp, &f))
+        return NULL;
+    PyObject *groups_fast = PySequence_Fast(groups_in, "groups must be a sequence");
+    if (!groups_fast) return NULL;
+    Py_ssize_t n_groups = PySequence_Fast_GET_SIZE(groups_fast);
+    int64_t(*g)[G_WIDTH] = PyMem_Malloc((size_t)(n_groups ? n_groups : 1) * sizeof(*g));
+    Column table = {0}, lines = {0}, bounds = {0}, stage_bytes = {0}, items = {0}, nbytes = {0};
+    PyObject *result = NULL;
+    if (!g) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n_groups; i++) {
+        Py_ssize_t width;
+        int64_t *fields = read_ints(PySequence_Fast_GET_ITEM(groups_fast, i), &width,
+                                    "a group must be a sequence");
+        if (!fields) goto done;
+        if (width < G_WIDTH) {
+            PyMem_Free(fields);
+            PyErr_Format(PyExc_ValueError, "a group has %zd fields, not %d", width, G_WIDTH);
+            goto done;
+        }
+        memcpy(g[i], fields, sizeof(g[i]));
+        PyMem_Free(fields);
+    }
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n_groups; i++) total += g[i][G_KEYS] * g[i][G_SIZE];
+    if (push(&bounds, 0)) goto done;
+    Py_ssize_t gi = 0;
+    int64_t taken = 0, batched = 0;
+    while (gi < n_groups) {
+        int64_t left = total - batched;
+        int64_t limit = small_first && batched == 0 ? ramp : capacity;
+        if (!small_first && ramp < left && left <= capacity + ramp && left - ramp < limit)
+            limit = left - ramp; /* leave a small last batch */
+        int64_t used = 0, batch = stage_bytes.len, batch_items = 0, batch_bytes = 0;
+        while (gi < n_groups) {
+            const int64_t *group = g[gi];
+            int64_t keys = group[G_KEYS], size = group[G_SIZE];
+            int64_t room = limit > used ? (limit - used) / size : 0;
+            int64_t count = room < keys - taken ? room : keys - taken;
+            if (count == 0 && used) break;
+            if (count == 0) count = 1; /* a row larger than the ramp still moves, alone */
+            /* the slice's line of the table: positions start .. end - 1 of the group's rows */
+            int64_t skip = group[G_SKIP];
+            int64_t start = taken * f, end = (taken + count) * f, stop = skip + group[G_N];
+            int64_t lo = start > skip ? start : skip;
+            int64_t pages = (end < stop ? end : stop) - lo;
+            if (push(&lines, batch) || push(&lines, gi) || push(&lines, taken) ||
+                push(&lines, count) || push(&lines, used) || push(&table, group[G_FIRST_REF]) ||
+                push(&table, group[G_REFS]) || push(&table, used) ||
+                push(&table, group[G_ID0] + lo - skip) || push(&table, lo - start) ||
+                push(&table, pages) || push(&table, batch_items))
+                goto done;
+            batch_items += pages * group[G_PAGE_PIECES];
+            batch_bytes += pages * group[G_PAGE_BYTES];
+            used += count * size;
+            taken += count;
+            if (taken < keys) break; /* the batch is full: not even one more of these keys fits */
+            gi++;
+            taken = 0;
+        }
+        if (push(&bounds, lines.len / LINE_WIDTH) || push(&stage_bytes, used) ||
+            push(&items, batch_items) || push(&nbytes, batch_bytes))
+            goto done;
+        batched += used;
+    }
+    result = Py_BuildValue("(NNNNNN)", as_bytes(&table), as_bytes(&lines),
+                           as_tuple(bounds.data, bounds.len),
+                           as_tuple(stage_bytes.data, stage_bytes.len),
+                           as_tuple(items.data, items.len), as_tuple(nbytes.data, nbytes.len));
+done:
+    PyMem_Free(g);
+    PyMem_Free(table.data);
+    PyMem_Free(lines.data);
+    PyMem_Free(bounds.data);
+    PyMem_Free(stage_bytes.data);
+    PyMem_Free(items.data);
+    PyMem_Free(nbytes.data);
+    Py_DECREF(groups_fast);
+    return result;
+}
+
+/* run_copies(lines, key0, batches, first_row, row_bytes, per_piece, store)
+ *   -> (src, dst, size, bounds)
+ * The link copies of a job whose rows are one consecutive run from `first_row` and whose
+ * chunks fill their rows: one copy per slice (`lines` as slice_batches returns them), cut at
+ * multiples of `per_piece` rows (0: never). */
+static PyObject *run_copies(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer lines;
+    PyObject *key0_in;
+    Py_ssize_t batches;
+    long long first_row, row_bytes, per_piece;
+    int store;
+    if (!PyArg_ParseTuple(args, "y*OnLLLp", &lines, &key0_in, &batches, &first_row, &row_bytes,
+                          &per_piece, &store))
+        return NULL;
+    Py_ssize_t n_groups;
+    int64_t *key0 = read_ints(key0_in, &n_groups, "key0 must be a sequence");
+    Column stage = {0}, tier = {0}, size = {0};
+    int64_t *bounds = PyMem_Calloc((size_t)batches + 1, sizeof(int64_t));
+    PyObject *result = NULL;
+    if (!key0 || !bounds) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *line = lines.buf;
+    Py_ssize_t n_lines = lines.len / (Py_ssize_t)(LINE_WIDTH * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < n_lines; i++, line += LINE_WIDTH) {
+        int64_t b = line[0], gi = line[1], first = line[2], keys = line[3], at = line[4];
+        if (b < 0 || b >= batches || gi < 0 || gi >= n_groups) {
+            PyErr_SetString(PyExc_ValueError, "a slice names a batch or group out of range");
+            goto done;
+        }
+        int64_t start = first_row + key0[gi] + first, row = start, end = start + keys;
+        while (row < end) {
+            int64_t stop = per_piece ? (row / per_piece + 1) * per_piece : end;
+            if (stop > end) stop = end;
+            if (push(&stage, at + (row - start) * row_bytes) || push(&tier, row * row_bytes) ||
+                push(&size, (stop - row) * row_bytes))
+                goto done;
+            row = stop;
+        }
+        bounds[b + 1] = size.len;
+    }
+    const Column *src = store ? &stage : &tier, *dst = store ? &tier : &stage;
+    result = Py_BuildValue("(NNNN)", as_tuple(src->data, src->len),
+                           as_tuple(dst->data, dst->len), as_tuple(size.data, size.len),
+                           as_tuple(bounds, batches + 1));
+done:
+    PyBuffer_Release(&lines);
+    PyMem_Free(key0);
+    PyMem_Free(bounds);
+    PyMem_Free(stage.data);
+    PyMem_Free(tier.data);
+    PyMem_Free(size.data);
+    return result;
+}
+
+/* consecutive(rows) -> bool: whether the int64 buffer `rows` counts up by one throughout. */
+static PyObject *consecutive(PyObject *self, PyObject *arg) {
+    (void)self;
+    Py_buffer rows;
+    if (PyObject_GetBuffer(arg, &rows, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (rows.itemsize != (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&rows);
+        PyErr_SetString(PyExc_TypeError, "rows must be int64");
+        return NULL;
+    }
+    const int64_t *r = rows.buf;
+    Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t);
+    int ok = 1;
+    for (Py_ssize_t i = 1; i < n && ok; i++) ok = r[i] == r[i - 1] + 1;
+    PyBuffer_Release(&rows);
+    return PyBool_FromLong(ok);
+}
+
+/* The CUDA driver's two per-batch calls, as libcuda exports them. */
+typedef int (*launch_fn)(void *function, unsigned grid_x, unsigned grid_y, unsigned grid_z,
+                         unsigned block_x, unsigned block_y, unsigned block_z,
+                         unsigned shared_bytes, void *stream, void **params, void **extra);
+typedef int (*memcpy_fn)(uint64_t dst, uint64_t src, size_t nbytes, void *stream);
+
+/* A job's staging-kernel launches: a Python callable, or straight to the driver. */
+typedef struct {
+    PyObject *call; /* StageCopy(stream, segments, count, stage, blocks), or NULL */
+    launch_fn launch;
+    void *function;
+    unsigned threads;
+    uint64_t refs, ids;
+    int to_stage, piece;
+} Kernel;
+
+typedef struct {
+    PyObject *call; /* Dma(dst, src, nbytes, stream), or NULL */
+    memcpy_fn copy;
+} Copy;
+
+/* 0, -1 with a Python exception, or a CUDA error code (> 0) with *failed naming the call. */
+static int launch(const Kernel *k, uint64_t stream, uint64_t segments, int count, uint64_t stage,
+                  unsigned blocks, const char **failed) {
+    if (k->call) {
+        PyObject *r = PyObject_CallFunction(k->call, "KKiKI", (unsigned long long)stream,
+                                            (unsigned long long)segments, count,
+                                            (unsigned long long)stage, blocks);
+        if (!r) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    /* the kernel's parameters, in kernels.STAGE_COPY_SOURCE's order */
+    uint64_t seg = segments, refs = k->refs, ids = k->ids, stg = stage;
+    int n = count, to_stage = k->to_stage, piece = k->piece;
+    void *params[] = {&seg, &n, &refs, &ids, &stg, &to_stage, &piece};
+    int status = k->launch(k->function, blocks, 1, 1, k->threads, 1, 1, 0,
+                           (void *)(uintptr_t)stream, params, NULL);
+    if (status) *failed = "cuLaunchKernel";
+    return status;
+}
+
+static int copy(const Copy *c, uint64_t dst, uint64_t src, int64_t nbytes, uint64_t stream,
+                const char **failed) {
+    if (c->call) {
+        PyObject *r = PyObject_CallFunction(c->call, "KKLK", (unsigned long long)dst,
+                                            (unsigned long long)src, (long long)nbytes,
+                                            (unsigned long long)stream);
+        if (!r) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    int status = c->copy(dst, src, (size_t)nbytes, (void *)(uintptr_t)stream);
+    if (status) *failed = "cuMemcpyAsync";
+    return status;
+}
+
+/* queue_batches(kernel, dma, lanes, stages, host, store, segments, line_bytes, most, warps,
+ *               items, lines, link, src, dst, size) -> None or (status, call)
+ * The batch loop of StagedGpuExecutor._enqueue_staged, which documents it. `kernel` is a
+ * StageCopy callable or a NativeLaunch tuple (cuLaunchKernel's address, CUfunction, threads,
+ * refs, ids, to_stage, piece); `dma` a Dma callable or the address of cuMemcpyAsync. A driver error stops the loop and
+ * comes back as (status, the call's name); an exception from a callable propagates. */
+static PyObject *queue_batches(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *kernel_in, *dma_in, *items_in, *lines_in, *link_in, *src_in, *dst_in, *size_in;
+    unsigned long long lanes[2], stages[2], host, segments;
+    long long line_bytes, most, warps;
+    int store;
+    if (!PyArg_ParseTuple(args, "OO(KK)(KK)KpKLLLOOOOOO", &kernel_in, &dma_in, &lanes[0],
+                          &lanes[1], &stages[0], &stages[1], &host, &store, &segments,
+                          &line_bytes, &most, &warps, &items_in, &lines_in, &link_in, &src_in,
+                          &dst_in, &size_in))
+        return NULL;
+    Kernel kernel = {0};
+    Copy dma = {0};
+    if (PyCallable_Check(kernel_in)) {
+        kernel.call = kernel_in;
+    } else {
+        unsigned long long launch_at, function, refs, ids;
+        unsigned threads;
+        int to_stage, piece;
+        if (!PyArg_ParseTuple(kernel_in, "KKIKKpi", &launch_at, &function, &threads, &refs, &ids,
+                              &to_stage, &piece))
+            return NULL;
+        kernel.launch = (launch_fn)(uintptr_t)launch_at;
+        kernel.function = (void *)(uintptr_t)function;
+        kernel.threads = threads;
+        kernel.refs = refs;
+        kernel.ids = ids;
+        kernel.to_stage = to_stage;
+        kernel.piece = piece;
+    }
+    if (PyCallable_Check(dma_in)) {
+        dma.call = dma_in;
+    } else {
+        unsigned long long copy_at = PyLong_AsUnsignedLongLong(dma_in);
+        if (PyErr_Occurred()) return NULL;
+        dma.copy = (memcpy_fn)(uintptr_t)copy_at;
+    }
+    PyObject *columns_in[] = {items_in, lines_in, link_in, src_in, dst_in, size_in};
+    int64_t *columns[6] = {0};
+    Py_ssize_t lengths[6];
+    PyObject *result = NULL;
+    for (int c = 0; c < 6; c++) {
+        columns[c] = read_ints(columns_in[c], &lengths[c], "plan columns must be sequences");
+        if (!columns[c]) goto done;
+    }
+    const int64_t *items = columns[0], *lines = columns[1], *link = columns[2];
+    const int64_t *src = columns[3], *dst = columns[4], *size = columns[5];
+    Py_ssize_t batches = lengths[0];
+    if (lengths[1] != batches + 1 || lengths[2] != batches + 1 || lengths[3] != lengths[5] ||
+        lengths[4] != lengths[5] || (batches && link[batches] > lengths[5])) {
+        PyErr_SetString(PyExc_ValueError, "the plan's columns do not agree in length");
+        goto done;
+    }
+    const char *failed = NULL;
+    int status = 0;
+    for (Py_ssize_t k = 0; k < batches && !status; k++) {
+        uint64_t lane = lanes[k % 2], stage = stages[k % 2];
+        uint64_t src_base = store ? stage : host, dst_base = store ? host : stage;
+        int count = (int)(lines[k + 1] - lines[k]); /* none for a batch of no slice line */
+        int64_t blocks = (items[k] + warps - 1) / warps;
+        blocks = blocks ? (blocks < most ? blocks : most) : 1;
+        uint64_t at = segments + (uint64_t)(line_bytes * lines[k]);
+        if (store && count) /* gather, then copy out */
+            status = launch(&kernel, lane, at, count, stage, (unsigned)blocks, &failed);
+        for (int64_t i = link[k]; i < link[k + 1] && !status; i++)
+            status = copy(&dma, dst_base + (uint64_t)dst[i], src_base + (uint64_t)src[i], size[i],
+                          lane, &failed);
+        if (!status && count && !store) /* copy in, then scatter */
+            status = launch(&kernel, lane, at, count, stage, (unsigned)blocks, &failed);
+    }
+    if (status < 0) goto done;
+    result = status ? Py_BuildValue("(is)", status, failed) : Py_NewRef(Py_None);
+done:
+    for (int c = 0; c < 6; c++) PyMem_Free(columns[c]);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"slice_batches", slice_batches, METH_VARARGS, "Cut a job's keys into staging batches."},
+    {"run_copies", run_copies, METH_VARARGS, "Link copies of a job on one run of rows."},
+    {"consecutive", consecutive, METH_O, "Whether int64 rows count up by one."},
+    {"queue_batches", queue_batches, METH_VARARGS, "Queue a staged job's batches."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native",
+    "The staged path's per-job loops, compiled (see executors/_native.c).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

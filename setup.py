@@ -1,0 +1,13 @@
+"""Build the one compiled module, `kvferry.executors._native`; everything else is in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvferry.executors._native",
+            sources=["executors/_native.c"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"],
+        )
+    ]
+)
