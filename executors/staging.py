@@ -177,6 +177,8 @@ class StagePlanner:
         self._tier_piece_bytes = tier_piece_bytes
         self._row_bytes = layout.row_bytes
         self._sizes = [layout.group_row_bytes(g) for g in range(layout.num_groups)]
+        self._whole_rows = all(size == self._row_bytes for size in self._sizes)
+        """Whether every group's chunk fills a row (then so do any job's groups)."""
         self._dense = [all(r.page_bytes == r.page_stride for r in g.refs) for g in layout.groups]
         lines: list[tuple[int, ...]] = []
         self._refs_of: list[_GroupRefs] = []
@@ -231,15 +233,13 @@ class StagePlanner:
             self._ramp_bytes,
             self._layout.blocks_per_chunk,
         )
-        table = np.frombuffer(table_bytes, np.int64).reshape(-1, len(SLICE_FIELDS))
-        lines = np.frombuffer(line_bytes, np.int64).reshape(-1, _SLICE_LINE_WIDTH)
         rows = np.asarray(bound.cpu_rows, np.int64)
         (src, dst, size), link_bounds = self._link_copies(
-            direction, groups, lines, len(stage_bytes), rows
+            direction, groups, line_bytes, len(stage_bytes), rows
         )
         # built unchecked: every field comes from the arithmetic above, on a checked plan
         return _new_plan(
-            table=table,
+            table=np.frombuffer(table_bytes, np.int64).reshape(-1, len(SLICE_FIELDS)),
             refs=self.ref_table,
             line_bounds=line_bounds,
             link_src=src,
@@ -270,14 +270,14 @@ class StagePlanner:
         self,
         direction: Direction,
         groups: list[_Group],
-        lines: IdArray,
+        lines: bytes,
         n_batches: int,
         rows: IdArray,
     ) -> tuple[_Columns, tuple[int, ...]]:
         """Return the job's merged link copies, as (src, dst, size) offsets batch after batch
         (stage -> tier for a store, tier -> stage for a load), and the bounds of each batch's.
-        `lines` are the job's slices (`_SLICE_LINE_WIDTH` columns: batch, group, first key,
-        keys, stage offset).
+        `lines` are the job's slices as `_native.slice_batches` returns them (int64,
+        `_SLICE_LINE_WIDTH` columns: batch, group, first key, keys, stage offset).
 
         A copy is a run of keys of one slice whose rows are consecutive (and, in the tier,
         adjacent: the group's chunk fills the row); a store's keys the plan does not fill, or
@@ -286,14 +286,14 @@ class StagePlanner:
         if not groups:
             return ((), (), ()), (0,) * (n_batches + 1)
         exact = self._exact_keys(direction, groups)
-        whole_rows = all(group.size == self._row_bytes for group in groups)
+        whole_rows = self._whole_rows or all(group.size == self._row_bytes for group in groups)
         if not len(exact) and whole_rows and _native.consecutive(rows):
             # one copy per slice, cut only at the tier's registration boundaries (the common job)
             per_piece = self._tier_piece_bytes // self._row_bytes
-            key0 = [group.key0 for group in groups]
+            first_keys = [group.key0 for group in groups]
             run_src, run_dst, run_size, run_bounds = _native.run_copies(
-                lines.tobytes(),
-                key0,
+                lines,
+                first_keys,
                 n_batches,
                 int(rows[0]),
                 self._row_bytes,
@@ -302,7 +302,8 @@ class StagePlanner:
             )
             return (run_src, run_dst, run_size), run_bounds
         breaks = np.flatnonzero(rows[1:] - rows[:-1] != 1) + 1
-        batch_of, group_of, first, _, stage_of = lines.T
+        slices = np.frombuffer(lines, np.int64).reshape(-1, _SLICE_LINE_WIDTH)
+        batch_of, group_of, first, _, stage_of = slices.T
         key0 = np.asarray([group.key0 for group in groups], np.int64)[group_of] + first
         starts = self._copy_starts(groups, key0, rows, breaks, exact)
         ends = np.append(starts[1:], len(rows))
@@ -335,7 +336,7 @@ class StagePlanner:
     def _exact_keys(self, direction: Direction, groups: list[_Group]) -> IdArray:
         """Return the keys a store must copy page by page: partial chunks, padded pages."""
         if direction is not Direction.STORE:
-            return np.zeros(0, np.int64)
+            return _NO_KEYS
         f = self._layout.blocks_per_chunk
         exact: list[int] = []
         for group in groups:
@@ -409,6 +410,9 @@ class _Group(NamedTuple):
     size: int
     g: int
 
+
+_NO_KEYS = np.zeros(0, np.int64)
+_NO_KEYS.setflags(write=False)
 
 _SLICE_LINE_WIDTH = 5
 """Columns of a job's slice list (`_native.slice_batches`): the batch, the group (an index into
