@@ -5,7 +5,9 @@ Effective GB/s is measured on the host clock from `submit()` to the end of `wait
 (planning, uploads and every queued call included); the ceiling is a contiguous 1 GiB pinned
 copy in each direction, measured in the same run. Jobs move random GPU block ids to or from CPU
 rows as a fresh kvferry `Catalog` allocates them for one job (`--rows random`: a fragmented
-tier). It ends with issue 5's target 1 and target 4 lines (PASS/FAIL).
+tier). It ends with issue 5's target 1 and target 4 lines (PASS/FAIL). Target 4 reads the
+time inside `submit()` as the issue words it, the calling thread's CPU time (`thread_time`);
+the wall clock, which adds the time the thread was not running, is printed beside it.
 
     python3 benchmarks/transfer.py --variants torch,cupy --json bench-out/transfer.json
 
@@ -477,14 +479,16 @@ def _summary(
         f"{worst['page_bytes'] // KIB} KiB); per variant "
         + ", ".join(f"{v} {r:.2f}" for v, r in per_variant.items())
     )
-    share = max(rows, key=lambda r: r["submit_seconds"] / r["seconds"])
-    ratio = share["submit_seconds"] / share["seconds"]
+    share = max(rows, key=lambda r: r["submit_cpu_seconds"] / r["seconds"])
+    ratio = share["submit_cpu_seconds"] / share["seconds"]
+    wall = max(r["submit_seconds"] / r["seconds"] for r in rows)
     verdict = "PASS" if ratio <= TARGET_SUBMIT_SHARE else "FAIL"
     lines.append(
-        f"{verdict}: target 4 (submit <= {TARGET_SUBMIT_SHARE:.0%} of the transfer time, 1 GiB "
-        f"jobs): worst {ratio:.1%} ({share['executor']} {share['direction']} "
-        f"{share['page_bytes'] // KIB} KiB, {share['submit_seconds'] * 1e3:.2f} of "
-        f"{share['seconds'] * 1e3:.2f} ms)"
+        f"{verdict}: target 4 (CPU time inside submit() <= {TARGET_SUBMIT_SHARE:.0%} of the "
+        f"transfer time, 1 GiB jobs): worst {ratio:.1%} ({share['executor']} "
+        f"{share['direction']} {share['page_bytes'] // KIB} KiB, "
+        f"{share['submit_cpu_seconds'] * 1e3:.2f} of {share['seconds'] * 1e3:.2f} ms); "
+        f"on the wall clock worst {wall:.1%}"
     )
     if submit_2048:
         worst_us = max(t["cpu"] for t in submit_2048.values()) * 1e6
@@ -524,7 +528,7 @@ def main() -> None:
     print(f"jobs: {layout}")
     header = (
         f"{'executor':<15} {'dir':<6} {'page':>8} {'GB/s':>7} {'ratio':>6} {'submit ms':>10} "
-        f"{'GPU GB/s':>9}"
+        f"{'cpu ms':>7} {'GPU GB/s':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -551,13 +555,14 @@ def main() -> None:
                         )
                         for job in range(args.repeat + 1)
                     ]
-                    seconds, submit, gpu_seconds, _ = _measure(executor, bounds)
+                    seconds, submit, gpu_seconds, submit_cpu = _measure(executor, bounds)
                     nbytes = moved * args.layers * page
                     gbps = nbytes / seconds / 1e9
                     ratio = gbps / ceiling[direction.value]
                     print(
                         f"{variant:<15} {direction.value:<6} {page_kib:>6}Ki {gbps:>7.1f} "
-                        f"{ratio:>6.2f} {submit * 1e3:>10.2f} {nbytes / gpu_seconds / 1e9:>9.1f}",
+                        f"{ratio:>6.2f} {submit * 1e3:>10.2f} {submit_cpu * 1e3:>7.2f} "
+                        f"{nbytes / gpu_seconds / 1e9:>9.1f}",
                         flush=True,
                     )
                     rows_out.append({
@@ -569,6 +574,7 @@ def main() -> None:
                         "bytes": nbytes,
                         "seconds": seconds,
                         "submit_seconds": submit,
+                        "submit_cpu_seconds": submit_cpu,
                         "gpu_seconds": gpu_seconds,
                         "gbps": gbps,
                         "ratio_to_ceiling": ratio,
