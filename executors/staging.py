@@ -233,7 +233,7 @@ class StagePlanner:
             self._ramp_bytes,
             self._layout.blocks_per_chunk,
         )
-        rows = np.asarray(bound.cpu_rows, np.int64)
+        rows = np.ascontiguousarray(bound.cpu_rows, np.int64)
         (src, dst, size), link_bounds = self._link_copies(
             direction, groups, line_bytes, len(stage_bytes), rows
         )
