@@ -372,8 +372,8 @@ class StagedGpuExecutor(Executor):
         that last used it has ended (its end event, unless the host saw it finish; with a few
         jobs in flight, long since), and grows when a job needs more.
         """
-        refs = self._planner.ref_table.ravel()
-        end = len(refs) + len(ids) + table.size
+        refs = self._planner.ref_table.size
+        end = refs + len(ids) + table.size
         if direction not in self._tables:  # all at once: no allocation once jobs flow
             self._tables[direction] = [self._new_slot(end) for _ in range(TABLE_SLOTS)]
         slots = self._tables[direction]
@@ -385,8 +385,8 @@ class StagedGpuExecutor(Executor):
         slot.job = None
         if slot.capacity < end:
             slot = slots[k] = self._new_slot(end)
-        slot.view[len(refs) : len(refs) + len(ids)] = ids
-        slot.view[len(refs) + len(ids) : end] = table.ravel()
+        slot.view[refs : refs + len(ids)] = ids
+        slot.view[refs + len(ids) : end] = table.ravel()
         return slot
 
     def _upload(self, slot: _TableSlot, values: int, direction: Direction) -> tuple[int, Any]:
