@@ -98,11 +98,15 @@ class CudaDriver:
 
     def record(self, event: int, stream: int) -> None:
         """Record `event` on `stream`."""
-        check_status(self._lib.cuEventRecord(event, stream), "cuEventRecord")
+        status = self._lib.cuEventRecord(event, stream)
+        if status:  # a job makes several of these: no call on success
+            check_status(status, "cuEventRecord")
 
     def wait(self, stream: int, event: int) -> None:
         """Make `stream` wait for the work `event` last captured."""
-        check_status(self._lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+        status = self._lib.cuStreamWaitEvent(stream, event, 0)
+        if status:
+            check_status(status, "cuStreamWaitEvent")
 
     def done(self, event: int) -> bool:
         """Return True once `event`'s work has completed."""
