@@ -1,11 +1,14 @@
-"""The CUDA driver calls of the staged path's per-batch work, through ctypes.
+"""The CUDA driver calls of the staged path, through ctypes, and the addresses of the two that
+compiled code makes.
 
-A staged job makes a handful of calls per batch (record and wait on events, one kernel launch,
-the DMAs). Through torch they cost 5-90 µs each on the device H200's host (torch's NVRTC
-launcher builds its ctypes arguments on every call, ~90 µs; torch has no call at all for an
-asynchronous copy between raw addresses); straight to `libcuda` they cost a few µs, which is
-what keeps `submit()` at a few percent of the transfer. Both GPU executors use these; the
-libraries still own the streams, the memory and the compiled kernels.
+A staged job makes a handful of calls for itself (records and waits on events, the table
+upload) and two or so per batch (one kernel launch, the DMAs); the per-batch ones are made by
+the compiled batch loop (`_native.queue_batches`) through `launch_address` and
+`memcpy_address`. Through torch these calls cost 5-90 µs each on the device H200's host
+(torch's NVRTC launcher builds its ctypes arguments on every call, ~90 µs; torch has no call at
+all for an asynchronous copy between raw addresses); straight to `libcuda` they cost a few µs.
+Both GPU executors use these; the libraries still own the streams, the memory and the compiled
+kernels.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class CudaDriver:
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Queue a copy of `nbytes` from `src` to `dst` (unified addresses) on `stream`."""
         status = self._lib.cuMemcpyAsync(dst, src, nbytes, stream)
-        if status:  # checked here, not in `_check`: one call less per copy on a hot path
+        if status:  # no call on success: benchmarks make one of these per page
             check_status(status, "cuMemcpyAsync")
 
     def event(self, *, timing: bool) -> int:
