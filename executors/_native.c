@@ -1,4 +1,4 @@
-/* The staged path's per-job loops, compiled: batch slicing, run copies, and the batch loop.
+/* The staged path's per-job work, compiled: batch slicing, run copies, and a job's driver calls.
  *
  * `kvferry.executors.staging` and `kvferry.executors.staged` call these on every submit(): in
  * Python they were most of a 2048-block load's host time (docs/benchmarks.md). Each function
@@ -251,11 +251,23 @@ static PyObject *consecutive(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(ok);
 }
 
-/* The CUDA driver's two per-batch calls, as libcuda exports them. */
+/* The CUDA driver calls a job makes, as libcuda exports them. */
 typedef int (*launch_fn)(void *function, unsigned grid_x, unsigned grid_y, unsigned grid_z,
                          unsigned block_x, unsigned block_y, unsigned block_z,
                          unsigned shared_bytes, void *stream, void **params, void **extra);
 typedef int (*memcpy_fn)(uint64_t dst, uint64_t src, size_t nbytes, void *stream);
+typedef int (*record_fn)(void *event, void *stream);
+typedef int (*wait_fn)(void *stream, void *event, unsigned flags);
+
+/* A job's event records, stream waits and DMAs: each through a Python callable (the CPU test
+ * doubles), or straight to the driver through its address. Events are then the callables'
+ * objects, or integer handles. */
+typedef struct {
+    PyObject *record_call, *wait_call, *copy_call; /* or NULL */
+    record_fn record;
+    wait_fn wait;
+    memcpy_fn copy;
+} Driver;
 
 /* A job's staging-kernel launches: a Python callable, or straight to the driver. */
 typedef struct {
@@ -267,22 +279,123 @@ typedef struct {
     int to_stage, piece;
 } Kernel;
 
+/* A job's table upload: a Python callable, or a launch of the table-copy kernel. */
 typedef struct {
-    PyObject *call; /* Dma(dst, src, nbytes, stream), or NULL */
-    memcpy_fn copy;
-} Copy;
+    PyObject *call; /* TableCopy(dst, src, count, stream), or NULL */
+    launch_fn launch;
+    void *function;
+    unsigned threads, blocks;
+    uint64_t dst, src;
+    int64_t count;
+} Upload;
 
-/* 0, -1 with a Python exception, or a CUDA error code (> 0) with *failed naming the call. */
-static int launch(const Kernel *k, uint64_t stream, uint64_t segments, int count, uint64_t stage,
-                  unsigned blocks, const char **failed) {
-    if (k->call) {
-        PyObject *r = PyObject_CallFunction(k->call, "KKiKI", (unsigned long long)stream,
-                                            (unsigned long long)segments, count,
-                                            (unsigned long long)stage, blocks);
-        if (!r) return -1;
-        Py_DECREF(r);
+/* An int that is either the address of a driver function or a callable; 0 on success. */
+static int callable_or_address(PyObject *in, PyObject **call, void **address) {
+    if (PyCallable_Check(in)) {
+        *call = in;
         return 0;
     }
+    *address = PyLong_AsVoidPtr(in);
+    return *address == NULL && PyErr_Occurred() ? -1 : 0;
+}
+
+static int parse_driver(PyObject *in, Driver *d) {
+    PyObject *record_in, *wait_in, *copy_in;
+    void *record_at = NULL, *wait_at = NULL, *copy_at = NULL;
+    if (!PyArg_ParseTuple(in, "OOO", &record_in, &wait_in, &copy_in) ||
+        callable_or_address(record_in, &d->record_call, &record_at) ||
+        callable_or_address(wait_in, &d->wait_call, &wait_at) ||
+        callable_or_address(copy_in, &d->copy_call, &copy_at))
+        return -1;
+    d->record = (record_fn)(uintptr_t)record_at;
+    d->wait = (wait_fn)(uintptr_t)wait_at;
+    d->copy = (memcpy_fn)(uintptr_t)copy_at;
+    return 0;
+}
+
+static int parse_kernel(PyObject *in, Kernel *k) {
+    if (PyCallable_Check(in)) {
+        k->call = in;
+        return 0;
+    }
+    unsigned long long launch_at, function, refs, ids;
+    if (!PyArg_ParseTuple(in, "KKIKKpi", &launch_at, &function, &k->threads, &refs, &ids,
+                          &k->to_stage, &k->piece))
+        return -1;
+    k->launch = (launch_fn)(uintptr_t)launch_at;
+    k->function = (void *)(uintptr_t)function;
+    k->refs = refs;
+    k->ids = ids;
+    return 0;
+}
+
+static int parse_upload(PyObject *in, Upload *u) {
+    PyObject *copy_in;
+    unsigned long long dst, src;
+    long long count;
+    if (!PyArg_ParseTuple(in, "OKKL", &copy_in, &dst, &src, &count)) return -1;
+    u->dst = dst;
+    u->src = src;
+    u->count = count;
+    if (PyCallable_Check(copy_in)) {
+        u->call = copy_in;
+        return 0;
+    }
+    unsigned long long launch_at, function;
+    if (!PyArg_ParseTuple(copy_in, "KKII", &launch_at, &function, &u->threads, &u->blocks))
+        return -1;
+    u->launch = (launch_fn)(uintptr_t)launch_at;
+    u->function = (void *)(uintptr_t)function;
+    return 0;
+}
+
+/* Each call below returns 0, -1 with a Python exception, or a CUDA error code (> 0) with
+ * *failed naming the call. */
+static int called(PyObject *result) {
+    if (!result) return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+static int record_event(const Driver *d, PyObject *event, uint64_t stream, const char **failed) {
+    if (d->record_call)
+        return called(PyObject_CallFunction(d->record_call, "OK", event,
+                                            (unsigned long long)stream));
+    void *handle = PyLong_AsVoidPtr(event);
+    if (!handle && PyErr_Occurred()) return -1;
+    int status = d->record(handle, (void *)(uintptr_t)stream);
+    if (status) *failed = "cuEventRecord";
+    return status;
+}
+
+static int wait_event(const Driver *d, uint64_t stream, PyObject *event, const char **failed) {
+    if (d->wait_call)
+        return called(PyObject_CallFunction(d->wait_call, "KO", (unsigned long long)stream,
+                                            event));
+    void *handle = PyLong_AsVoidPtr(event);
+    if (!handle && PyErr_Occurred()) return -1;
+    int status = d->wait((void *)(uintptr_t)stream, handle, 0);
+    if (status) *failed = "cuStreamWaitEvent";
+    return status;
+}
+
+static int copy(const Driver *d, uint64_t dst, uint64_t src, int64_t nbytes, uint64_t stream,
+                const char **failed) {
+    if (d->copy_call)
+        return called(PyObject_CallFunction(d->copy_call, "KKLK", (unsigned long long)dst,
+                                            (unsigned long long)src, (long long)nbytes,
+                                            (unsigned long long)stream));
+    int status = d->copy(dst, src, (size_t)nbytes, (void *)(uintptr_t)stream);
+    if (status) *failed = "cuMemcpyAsync";
+    return status;
+}
+
+static int launch(const Kernel *k, uint64_t stream, uint64_t segments, int count, uint64_t stage,
+                  unsigned blocks, const char **failed) {
+    if (k->call)
+        return called(PyObject_CallFunction(k->call, "KKiKI", (unsigned long long)stream,
+                                            (unsigned long long)segments, count,
+                                            (unsigned long long)stage, blocks));
     /* the kernel's parameters, in kernels.STAGE_COPY_SOURCE's order */
     uint64_t seg = segments, refs = k->refs, ids = k->ids, stg = stage;
     int n = count, to_stage = k->to_stage, piece = k->piece;
@@ -293,65 +406,117 @@ static int launch(const Kernel *k, uint64_t stream, uint64_t segments, int count
     return status;
 }
 
-static int copy(const Copy *c, uint64_t dst, uint64_t src, int64_t nbytes, uint64_t stream,
-                const char **failed) {
-    if (c->call) {
-        PyObject *r = PyObject_CallFunction(c->call, "KKLK", (unsigned long long)dst,
-                                            (unsigned long long)src, (long long)nbytes,
-                                            (unsigned long long)stream);
-        if (!r) return -1;
-        Py_DECREF(r);
-        return 0;
-    }
-    int status = c->copy(dst, src, (size_t)nbytes, (void *)(uintptr_t)stream);
-    if (status) *failed = "cuMemcpyAsync";
+static int upload(const Upload *u, uint64_t stream, const char **failed) {
+    if (u->call)
+        return called(PyObject_CallFunction(u->call, "KKLK", (unsigned long long)u->dst,
+                                            (unsigned long long)u->src, (long long)u->count,
+                                            (unsigned long long)stream));
+    /* the kernel's parameters, in kernels.TABLE_COPY_SOURCE's order */
+    uint64_t src = u->src, dst = u->dst;
+    long long count = u->count;
+    void *params[] = {&src, &dst, &count};
+    int status = u->launch(u->function, u->blocks, 1, 1, u->threads, 1, 1, 0,
+                           (void *)(uintptr_t)stream, params, NULL);
+    if (status) *failed = "cuLaunchKernel";
     return status;
 }
 
-/* queue_batches(kernel, dma, lanes, stages, host, store, segments, line_bytes, most, warps,
- *               items, lines, link, src, dst, size) -> None or (status, call)
- * The batch loop of StagedGpuExecutor._enqueue_staged, which documents it. `kernel` is a
- * StageCopy callable or a NativeLaunch tuple (cuLaunchKernel's address, CUfunction, threads,
- * refs, ids, to_stage, piece); `dma` a Dma callable or the address of cuMemcpyAsync. A driver error stops the loop and
- * comes back as (status, the call's name); an exception from a callable propagates. */
-static PyObject *queue_batches(PyObject *self, PyObject *args) {
+/* The job's first calls: lane 0 waits for the compute stream (through `ready`) and for the
+ * previous job of the direction (its end event, unless None), then records `start`. */
+static int begin(const Driver *d, const uint64_t lanes[2], uint64_t compute, PyObject *ready,
+                 PyObject *previous, PyObject *start, const char **failed) {
+    int status = record_event(d, ready, compute, failed);
+    if (!status) status = wait_event(d, lanes[0], ready, failed);
+    if (!status && previous != Py_None) status = wait_event(d, lanes[0], previous, failed);
+    if (!status) status = record_event(d, start, lanes[0], failed);
+    return status;
+}
+
+/* The job's last calls: `end` is recorded on the lane of its last batch (batch k runs on lane
+ * k % 2; a job of no batch ends on lane 0), after the other lane's work when it has some. */
+static int finish(const Driver *d, const uint64_t lanes[2], Py_ssize_t batches,
+                  PyObject *joined, PyObject *end, const char **failed) {
+    uint64_t last = batches ? lanes[(batches - 1) % 2] : lanes[0];
+    int status = 0;
+    if (batches > 1) {
+        status = record_event(d, joined, lanes[batches % 2], failed);
+        if (!status) status = wait_event(d, last, joined, failed);
+    }
+    if (!status) status = record_event(d, end, last, failed);
+    return status;
+}
+
+/* What a job function returns: None, NULL with the exception, or (status, the call). */
+static PyObject *outcome(int status, const char *failed) {
+    if (status < 0) return NULL;
+    return status ? Py_BuildValue("(is)", status, failed) : Py_NewRef(Py_None);
+}
+
+/* begin_job(driver, lanes, compute, ready, previous, start) -> None or (status, call)
+ * StagedGpuExecutor._begin: a job's first calls (see begin above). */
+static PyObject *begin_job(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *kernel_in, *dma_in, *items_in, *lines_in, *link_in, *src_in, *dst_in, *size_in;
-    unsigned long long lanes[2], stages[2], host, segments;
+    PyObject *driver_in, *ready, *previous, *start;
+    unsigned long long lanes_in[2], compute;
+    if (!PyArg_ParseTuple(args, "O(KK)KOOO", &driver_in, &lanes_in[0], &lanes_in[1], &compute,
+                          &ready, &previous, &start))
+        return NULL;
+    Driver driver = {0};
+    if (parse_driver(driver_in, &driver)) return NULL;
+    const uint64_t lanes[2] = {lanes_in[0], lanes_in[1]};
+    const char *failed = NULL;
+    return outcome(begin(&driver, lanes, compute, ready, previous, start, &failed), failed);
+}
+
+/* end_job(driver, lanes, batches, joined, end) -> None or (status, call)
+ * StagedGpuExecutor._end: a job's last calls (see finish above). */
+static PyObject *end_job(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *driver_in, *joined, *end;
+    unsigned long long lanes_in[2];
+    Py_ssize_t batches;
+    if (!PyArg_ParseTuple(args, "O(KK)nOO", &driver_in, &lanes_in[0], &lanes_in[1], &batches,
+                          &joined, &end))
+        return NULL;
+    Driver driver = {0};
+    if (parse_driver(driver_in, &driver)) return NULL;
+    const uint64_t lanes[2] = {lanes_in[0], lanes_in[1]};
+    const char *failed = NULL;
+    return outcome(finish(&driver, lanes, batches, joined, end, &failed), failed);
+}
+
+/* queue_job(driver, lanes, compute, events, upload, kernel, batches) -> None or (status, call)
+ * A whole staged job, as StagedGpuExecutor._enqueue_staged documents it: begin (above), the
+ * table upload on lane 0 and its event (which lane 1 waits for when the job has a second
+ * batch), the batch loop, finish (above). `events` is (ready, previous end or None, start,
+ * uploaded, joined, end); `upload` (TableCopy, dst, src, count), the TableCopy a callable or
+ * (cuLaunchKernel's address, CUfunction, threads, blocks); `kernel` a StageCopy callable or a
+ * NativeLaunch tuple; `batches` (stages, host, store, segments, line_bytes, most, warps, items,
+ * lines, link, src, dst, size). Everything is read and checked before the first call; a driver
+ * error stops the job where it is, and an exception from a callable propagates. */
+static PyObject *queue_job(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *driver_in, *upload_in, *kernel_in, *batches_in;
+    PyObject *ready, *previous, *start, *uploaded, *joined, *end;
+    unsigned long long lanes_in[2], compute;
+    if (!PyArg_ParseTuple(args, "O(KK)K(OOOOOO)OOO", &driver_in, &lanes_in[0], &lanes_in[1],
+                          &compute, &ready, &previous, &start, &uploaded, &joined, &end,
+                          &upload_in, &kernel_in, &batches_in))
+        return NULL;
+    Driver driver = {0};
+    Kernel kernel = {0};
+    Upload table = {0};
+    if (parse_driver(driver_in, &driver) || parse_upload(upload_in, &table) ||
+        parse_kernel(kernel_in, &kernel))
+        return NULL;
+    unsigned long long stages[2], host, segments;
     long long line_bytes, most, warps;
     int store;
-    if (!PyArg_ParseTuple(args, "OO(KK)(KK)KpKLLLOOOOOO", &kernel_in, &dma_in, &lanes[0],
-                          &lanes[1], &stages[0], &stages[1], &host, &store, &segments,
-                          &line_bytes, &most, &warps, &items_in, &lines_in, &link_in, &src_in,
-                          &dst_in, &size_in))
+    PyObject *columns_in[6];
+    if (!PyArg_ParseTuple(batches_in, "(KK)KpKLLLOOOOOO", &stages[0], &stages[1], &host, &store,
+                          &segments, &line_bytes, &most, &warps, &columns_in[0], &columns_in[1],
+                          &columns_in[2], &columns_in[3], &columns_in[4], &columns_in[5]))
         return NULL;
-    Kernel kernel = {0};
-    Copy dma = {0};
-    if (PyCallable_Check(kernel_in)) {
-        kernel.call = kernel_in;
-    } else {
-        unsigned long long launch_at, function, refs, ids;
-        unsigned threads;
-        int to_stage, piece;
-        if (!PyArg_ParseTuple(kernel_in, "KKIKKpi", &launch_at, &function, &threads, &refs, &ids,
-                              &to_stage, &piece))
-            return NULL;
-        kernel.launch = (launch_fn)(uintptr_t)launch_at;
-        kernel.function = (void *)(uintptr_t)function;
-        kernel.threads = threads;
-        kernel.refs = refs;
-        kernel.ids = ids;
-        kernel.to_stage = to_stage;
-        kernel.piece = piece;
-    }
-    if (PyCallable_Check(dma_in)) {
-        dma.call = dma_in;
-    } else {
-        unsigned long long copy_at = PyLong_AsUnsignedLongLong(dma_in);
-        if (PyErr_Occurred()) return NULL;
-        dma.copy = (memcpy_fn)(uintptr_t)copy_at;
-    }
-    PyObject *columns_in[] = {items_in, lines_in, link_in, src_in, dst_in, size_in};
     int64_t *columns[6] = {0};
     Py_ssize_t lengths[6];
     PyObject *result = NULL;
@@ -367,8 +532,13 @@ static PyObject *queue_batches(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "the plan's columns do not agree in length");
         goto done;
     }
+    const uint64_t lanes[2] = {lanes_in[0], lanes_in[1]};
     const char *failed = NULL;
-    int status = 0;
+    int status = begin(&driver, lanes, compute, ready, previous, start, &failed);
+    if (!status) status = upload(&table, lanes[0], &failed);
+    if (!status) status = record_event(&driver, uploaded, lanes[0], &failed);
+    if (!status && batches > 1) /* after what lane 0 waited on, and the upload */
+        status = wait_event(&driver, lanes[1], uploaded, &failed);
     for (Py_ssize_t k = 0; k < batches && !status; k++) {
         uint64_t lane = lanes[k % 2], stage = stages[k % 2];
         uint64_t src_base = store ? stage : host, dst_base = store ? host : stage;
@@ -379,13 +549,13 @@ static PyObject *queue_batches(PyObject *self, PyObject *args) {
         if (store && count) /* gather, then copy out */
             status = launch(&kernel, lane, at, count, stage, (unsigned)blocks, &failed);
         for (int64_t i = link[k]; i < link[k + 1] && !status; i++)
-            status = copy(&dma, dst_base + (uint64_t)dst[i], src_base + (uint64_t)src[i], size[i],
-                          lane, &failed);
+            status = copy(&driver, dst_base + (uint64_t)dst[i], src_base + (uint64_t)src[i],
+                          size[i], lane, &failed);
         if (!status && count && !store) /* copy in, then scatter */
             status = launch(&kernel, lane, at, count, stage, (unsigned)blocks, &failed);
     }
-    if (status < 0) goto done;
-    result = status ? Py_BuildValue("(is)", status, failed) : Py_NewRef(Py_None);
+    if (!status) status = finish(&driver, lanes, batches, joined, end, &failed);
+    result = outcome(status, failed);
 done:
     for (int c = 0; c < 6; c++) PyMem_Free(columns[c]);
     return result;
@@ -395,7 +565,9 @@ static PyMethodDef methods[] = {
     {"slice_batches", slice_batches, METH_VARARGS, "Cut a job's keys into staging batches."},
     {"run_copies", run_copies, METH_VARARGS, "Link copies of a job on one run of rows."},
     {"consecutive", consecutive, METH_O, "Whether int64 rows count up by one."},
-    {"queue_batches", queue_batches, METH_VARARGS, "Queue a staged job's batches."},
+    {"begin_job", begin_job, METH_VARARGS, "Queue a job's first event records and waits."},
+    {"end_job", end_job, METH_VARARGS, "Queue a job's last event records and waits."},
+    {"queue_job", queue_job, METH_VARARGS, "Queue a whole staged job."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,6 +1,7 @@
 """Types of the compiled module `_native.c` (the staged path's per-job loops)."""
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvferry.core.arrays import IdArray
 
@@ -18,22 +19,44 @@ def run_copies(
     /,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]: ...
 def consecutive(rows: IdArray, /) -> bool: ...
-def queue_batches(
-    kernel: Callable[[int, int, int, int, int], None] | tuple[int, int, int, int, int, bool, int],
-    dma: Callable[[int, int, int, int], None] | int,
+def begin_job(
+    driver: tuple[Any, Any, Any],
     lanes: tuple[int, int],
-    stages: tuple[int, int],
-    host: int,
-    store: bool,
-    segments: int,
-    line_bytes: int,
-    most: int,
-    warps: int,
-    items: Sequence[int],
-    lines: Sequence[int],
-    link: Sequence[int],
-    src: Sequence[int],
-    dst: Sequence[int],
-    size: Sequence[int],
+    compute: int,
+    ready: Any,
+    previous: Any,
+    start: Any,
+    /,
+) -> tuple[int, str] | None: ...
+def end_job(
+    driver: tuple[Any, Any, Any],
+    lanes: tuple[int, int],
+    batches: int,
+    joined: Any,
+    end: Any,
+    /,
+) -> tuple[int, str] | None: ...
+def queue_job(
+    driver: tuple[Any, Any, Any],
+    lanes: tuple[int, int],
+    compute: int,
+    events: tuple[Any, Any, Any, Any, Any, Any],
+    upload: tuple[Callable[[int, int, int, int], None] | tuple[int, int, int, int], int, int, int],
+    kernel: Callable[[int, int, int, int, int], None] | tuple[int, int, int, int, int, bool, int],
+    batches: tuple[
+        tuple[int, int],
+        int,
+        bool,
+        int,
+        int,
+        int,
+        int,
+        Sequence[int],
+        Sequence[int],
+        Sequence[int],
+        Sequence[int],
+        Sequence[int],
+        Sequence[int],
+    ],
     /,
 ) -> tuple[int, str] | None: ...

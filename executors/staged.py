@@ -26,7 +26,7 @@ from kvferry.core.bound import BoundPlan
 from kvferry.core.plan import Direction
 from kvferry.executors import _native
 from kvferry.executors.base import CopyPath, Executor
-from kvferry.executors.driver import CudaDriver, KernelLauncher, check_status
+from kvferry.executors.driver import CudaDriver, check_status
 from kvferry.executors.kernels import (
     PIECE_BYTES,
     STAGE_COPY_NAME,
@@ -47,7 +47,7 @@ half the submit time went to per-batch calls (docs/benchmarks.md)."""
 TABLE_SLOTS = 4
 """Pinned table buffers per direction, taken by jobs in turn (see `_table_slot`)."""
 
-_STAGE_COPY_ARGUMENTS = (
+STAGE_COPY_ARGUMENTS = (
     ctypes.c_uint64,  # slice lines
     ctypes.c_int,  # their count
     ctypes.c_uint64,  # ref table
@@ -56,7 +56,9 @@ _STAGE_COPY_ARGUMENTS = (
     ctypes.c_int,  # to_stage
     ctypes.c_int,  # piece bytes
 )
-_TABLE_COPY_ARGUMENTS = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_longlong)
+"""The C types of `kernels.STAGE_COPY_SOURCE`'s parameters, in order, as `_native.c` passes them."""
+TABLE_COPY_ARGUMENTS = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_longlong)
+"""The same for `kernels.TABLE_COPY_SOURCE` (source, destination, int64 count)."""
 
 DEFAULT_COPY_BLOCKS = 128
 """Thread blocks of a staging kernel launch: enough for HBM speed, far fewer than a full GPU."""
@@ -76,8 +78,24 @@ StageKernel = StageCopy | NativeLaunch
 
 Dma = Callable[[int, int, int, int], None] | int
 """`(dst, src, nbytes, stream)` queues one copy between unified addresses (pinned host or
-device) on raw stream `stream`; or, for the compiled batch loop to call, the address of a
+device) on raw stream `stream`; or, for the compiled job code to call, the address of a
 function of `cuMemcpyAsync`'s signature."""
+
+Record = Callable[[Any, int], None] | int
+"""`(event, stream)` records `event` on raw stream `stream`; or the address of `cuEventRecord`."""
+
+Wait = Callable[[int, Any], None] | int
+"""`(stream, event)` makes raw stream `stream` wait for `event`'s last record; or the address
+of `cuStreamWaitEvent`."""
+
+DriverCalls = tuple[Record, Wait, Dma]
+"""How the compiled job code records events, makes streams wait and queues DMAs
+(`StagedGpuExecutor._driver_calls`)."""
+
+TableCopy = Callable[[int, int, int, int], None] | tuple[int, int, int, int]
+"""`(dst, src, count, stream)` copies `count` int64 from pinned `src` to GPU `dst`; or, for the
+compiled job code to launch `kernels.TABLE_COPY_SOURCE` itself, the address of
+`cuLaunchKernel`, the kernel's `CUfunction`, threads per block and blocks."""
 
 
 @attrs.define
@@ -88,6 +106,8 @@ class GpuJob:
     end: Any
     keep: list[Any]
     path: CopyPath
+    batches: int = 0
+    """Staging batches of a staged job (0 on another path)."""
     finished: bool = False
     """Whether the host saw it end and gave its events to later jobs (`_finish`): from then on
     nothing waits on them for this job."""
@@ -129,7 +149,8 @@ class StagedGpuExecutor(Executor):
             tier_piece_bytes=0 if len(self.host_tier.pieces) == 1 else self.host_tier.piece_bytes,
         )
         self._driver: CudaDriver | None = None
-        self._launchers: dict[str, KernelLauncher] = {}
+        self._functions: dict[str, int] = {}
+        """The `CUfunction` of each kernel compiled so far, by name."""
         with self._on_device():
             self._lanes = {
                 d: (
@@ -198,7 +219,7 @@ class StagedGpuExecutor(Executor):
     def _synchronize(self, stream: Any) -> None:
         """Block until a library stream is idle."""
 
-    # --- per-batch calls, through the CUDA driver ----------------------------------------------
+    # --- the job's calls, through the CUDA driver -----------------------------------------------
 
     def _cuda(self) -> CudaDriver:
         if self._driver is None:
@@ -208,14 +229,6 @@ class StagedGpuExecutor(Executor):
     def _new_event(self, *, timing: bool = False) -> Any:
         """Return a new event (with timing when asked)."""
         return self._cuda().event(timing=timing)
-
-    def _record(self, event: Any, stream: int) -> None:
-        """Record `event` on raw stream `stream`."""
-        self._cuda().record(event, stream)
-
-    def _wait(self, stream: int, event: Any) -> None:
-        """Make raw stream `stream` wait for `event`."""
-        self._cuda().wait(stream, event)
 
     def _event_done(self, event: Any) -> bool:
         """Return True once `event` has completed."""
@@ -233,20 +246,20 @@ class StagedGpuExecutor(Executor):
         """Release an event made by `_new_event`."""
         self._cuda().destroy(event)
 
-    def _dma(self) -> Dma:
-        """Return how the batch loop queues one DMA (`Dma`): the driver's `cuMemcpyAsync`,
-        called from the compiled loop."""
-        return self._cuda().memcpy_address
+    def _driver_calls(self) -> DriverCalls:
+        """Return how the compiled job code records events, makes streams wait and queues DMAs
+        (`DriverCalls`): here the driver's own functions, by address."""
+        cuda = self._cuda()
+        return (cuda.record_address, cuda.wait_address, cuda.memcpy_address)
 
     def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageKernel:
         """Return one job's launch of `kernels.STAGE_COPY_SOURCE` (`StageKernel`), gathering into
         staging when `to_stage` (else scattering from it), with the ref table at `refs` and the
-        block ids at `ids`: here the driver's `cuLaunchKernel`, called from the compiled loop
-        with the kernel's parameters in `_STAGE_COPY_ARGUMENTS`' order."""
-        launcher = self._launcher(STAGE_COPY_SOURCE, STAGE_COPY_NAME, _STAGE_COPY_ARGUMENTS)
+        block ids at `ids`: here the driver's `cuLaunchKernel`, called from the compiled job
+        code with the kernel's parameters in `STAGE_COPY_ARGUMENTS`' order."""
         return (
             self._cuda().launch_address,
-            launcher.function,
+            self._function(STAGE_COPY_SOURCE, STAGE_COPY_NAME),
             THREADS,
             refs,
             ids,
@@ -254,23 +267,23 @@ class StagedGpuExecutor(Executor):
             PIECE_BYTES,
         )
 
-    def _copy_table(self, dst: int, src: int, count: int, stream: int) -> None:
-        """Queue the copy of `count` int64 from pinned `src` to GPU `dst` on raw stream `stream`,
-        with `kernels.TABLE_COPY_SOURCE` (see `_upload`)."""
+    def _table_copy(self, count: int) -> TableCopy:
+        """Return how the compiled job code copies a job's `count` int64 of tables to the GPU
+        (`TableCopy`; see `_enqueue_staged`): here a launch of `kernels.TABLE_COPY_SOURCE`, its
+        parameters in `TABLE_COPY_ARGUMENTS`' order, one block per `THREADS` values, at most
+        `copy_blocks`."""
         blocks = max(1, min(-(-count // THREADS), self._copy_blocks))
-        self._launcher(TABLE_COPY_SOURCE, TABLE_COPY_NAME, _TABLE_COPY_ARGUMENTS)(
-            src, dst, count, blocks=blocks, stream=stream
-        )
+        function = self._function(TABLE_COPY_SOURCE, TABLE_COPY_NAME)
+        return (self._cuda().launch_address, function, THREADS, blocks)
 
-    def _launcher(
-        self, source: str, name: str, arguments: Sequence[type[ctypes._SimpleCData[Any]]]
-    ) -> KernelLauncher:
-        """Return the launcher of kernel `name` (compiled on first use)."""
-        launcher = self._launchers.get(name)
-        if launcher is None:
-            launcher = KernelLauncher(self._cuda(), self._kernel_function(source, name), arguments)
-            self._launchers[name] = launcher
-        return launcher
+    def _function(self, source: str, name: str) -> int:
+        """Return the `CUfunction` of kernel `name` as an integer (compiled on first use)."""
+        function = self._functions.get(name)
+        if function is None:
+            compiled = self._kernel_function(source, name)
+            # a CUfunction as an int (CuPy) or already a c_void_p (torch)
+            function = self._functions[name] = int(getattr(compiled, "value", compiled) or 0)
+        return function
 
     # --- the shared path -------------------------------------------------------------------------
 
@@ -284,15 +297,10 @@ class StagedGpuExecutor(Executor):
             )
         return self._staging[direction][1]
 
-    def _begin(self, direction: Direction, path: CopyPath) -> GpuJob:
-        """Return a new job of `direction` whose first lane waits on compute and the previous
-        job (the second lane waits on the first, see `_enqueue_staged`)."""
-        ready, first = self._ready[direction], self._lane_handles[direction][0]
-        self._record(ready, self._compute_stream_now())
-        self._wait(first, ready)
-        previous = self._last_job.get(direction)
-        if previous is not None and not previous.finished:  # a finished one has ended
-            self._wait(first, previous.end)
+    def _new_job(self, direction: Direction, path: CopyPath) -> tuple[GpuJob, Any]:
+        """Return a new job of `direction` (its timing events from finished jobs where there are
+        some) and the end event of the direction's previous job, None when the host saw that
+        one finish (it has ended: nothing needs to wait for it)."""
         spare = self._spare_events
         job = GpuJob(
             start=spare.pop() if spare else self._new_event(timing=True),
@@ -300,73 +308,105 @@ class StagedGpuExecutor(Executor):
             keep=[],
             path=path,
         )
-        self._record(job.start, first)
+        previous = self._last_job.get(direction)
+        if previous is None or previous.finished:
+            return job, None
+        return job, previous.end
+
+    def _begin(self, direction: Direction, path: CopyPath) -> GpuJob:
+        """Return a new job of `direction` whose first lane waits on compute and on the previous
+        job, its start recorded there (for a path that queues its own work; the staged path's
+        `_native.queue_job` makes these calls itself)."""
+        job, previous = self._new_job(direction, path)
+        failed = _native.begin_job(
+            self._driver_calls(),
+            self._lane_handles[direction],
+            self._compute_stream_now(),
+            self._ready[direction],
+            previous,
+            job.start,
+        )
+        if failed:
+            check_status(*failed)
         return job
 
-    def _end(self, direction: Direction, job: GpuJob, batches: int) -> int:
+    def _end(self, direction: Direction, job: GpuJob, batches: int) -> None:
         """Record the job's end on the lane of its last batch (batch k runs on lane k % 2; a job
-        of no batch ends on the first), after the other lane's work when it has some; return
-        that lane."""
-        lanes = self._lane_handles[direction]
-        last = lanes[(batches - 1) % 2] if batches else lanes[0]
-        if batches > 1:
-            self._record(self._joined[direction], lanes[batches % 2])
-            self._wait(last, self._joined[direction])
-        self._record(job.end, last)
+        of no batch ends on the first), after the other lane's work when it has some; the next
+        job of the direction waits for it."""
+        failed = _native.end_job(
+            self._driver_calls(),
+            self._lane_handles[direction],
+            batches,
+            self._joined[direction],
+            job.end,
+        )
+        if failed:
+            check_status(*failed)
         self._last_job[direction] = job
-        return last
 
     def _enqueue_staged(self, bound: BoundPlan) -> GpuJob:
         """Queue a staged transfer; return its job.
 
-        Batch k runs on lane k % 2 with staging half k % 2: a store gathers the batch's pages
-        into the half with one kernel launch and then copies the half out with the batch's link
-        copies; a load copies in, then scatters. The launch takes one block per `WARPS` kernel
-        pieces, at most `copy_blocks`. The batch loop is compiled (`_native.queue_batches`):
-        in Python it was most of a large job's submit time.
+        The job's tables go to the GPU first (`_upload_address`), on the first lane, after it
+        waited for compute and the previous job of the direction (`_begin`'s calls). Batch k
+        runs on lane k % 2 with staging half k % 2: a store gathers the batch's pages into the
+        half with one kernel launch and then copies the half out with the batch's link copies;
+        a load copies in, then scatters. The second lane starts after the upload. The launch
+        takes one block per `WARPS` kernel pieces, at most `copy_blocks`. Then `_end`'s calls.
+        All of it is one compiled call (`_native.queue_job`): in Python, the job's driver calls
+        were most of a large job's submit time.
         """
         direction = bound.plan.direction
-        lanes = self._lane_handles[direction]
         plan = self._planner.plan(bound)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
         slot = self._table_slot(ids, plan.table, direction)
-        job = self._begin(direction, CopyPath.STAGED)
-        refs, ready = self._upload(
-            slot, self._planner.ref_table.size + len(ids) + plan.table.size, direction
-        )
-        if len(plan) > 1:  # after what the first lane waited on, and the upload
-            self._wait(lanes[1], ready)
+        values = self._planner.ref_table.size + len(ids) + plan.table.size
+        refs = self._upload_address(direction, values)
+        job, previous = self._new_job(direction, CopyPath.STAGED)
+        job.batches = len(plan)
         ids_address = refs + self._planner.ref_table.nbytes
-        segments = ids_address + 8 * len(ids)
-        line_bytes = plan.table.shape[1] * 8
         store = direction is Direction.STORE
-        failed = _native.queue_batches(
+        failed = _native.queue_job(
+            self._driver_calls(),
+            self._lane_handles[direction],
+            self._compute_stream_now(),
+            (
+                self._ready[direction],
+                previous,
+                job.start,
+                self._uploaded[direction],
+                self._joined[direction],
+                job.end,
+            ),
+            (self._table_copy(values), refs, slot.address, values),
             self._stage_kernel(refs=refs, ids=ids_address, to_stage=store),
-            self._dma(),
-            lanes,
-            self._stages(direction),
-            self.host_tier.address,
-            store,
-            segments,
-            line_bytes,
-            self._copy_blocks,
-            WARPS,
-            plan.items,
-            plan.line_bounds,
-            plan.link_bounds,
-            plan.link_src,
-            plan.link_dst,
-            plan.link_size,
+            (
+                self._stages(direction),
+                self.host_tier.address,
+                store,
+                ids_address + 8 * len(ids),
+                plan.table.shape[1] * 8,
+                self._copy_blocks,
+                WARPS,
+                plan.items,
+                plan.line_bounds,
+                plan.link_bounds,
+                plan.link_src,
+                plan.link_dst,
+                plan.link_size,
+            ),
         )
         if failed:
             check_status(*failed)
-        self._end(direction, job, len(plan))
+        self._last_job[direction] = job
         slot.job = job  # its end comes after the upload that read the slot
         return job
 
     def _table_slot(self, ids: IdArray, table: IdArray, direction: Direction) -> _TableSlot:
         """Write the ref table, `ids` and the slice `table` (int64), one after the other, into
-        the direction's next pinned table slot and return it (`_upload` copies it to the GPU).
+        the direction's next pinned table slot and return it (the job copies it to the GPU,
+        `_upload_address`).
 
         Jobs take the `TABLE_SLOTS` slots in turn; a slot is written again only once the job
         that last used it has ended (its end event, unless the host saw it finish; with a few
@@ -389,20 +429,18 @@ class StagedGpuExecutor(Executor):
         slot.view[refs + len(ids) : end] = table.ravel()
         return slot
 
-    def _upload(self, slot: _TableSlot, values: int, direction: Direction) -> tuple[int, Any]:
-        """Copy a job's tables (the first `values` int64 of `slot`) to its direction's GPU
-        tables on the direction's first lane; return their address there and the event recorded
-        after the copy.
+    def _upload_address(self, direction: Direction, values: int) -> int:
+        """Return the address of the direction's GPU tables, `values` int64 at least (grown when
+        smaller), where a job's tables are copied from its table slot.
 
         The kernels read their tables from GPU memory: read from pinned memory, every warp's
         lookups would cross the link, which is busy with the job's own DMAs (a store's 4 KiB
         pages ran at 0.90-0.95 of the link that way, 0.97-0.99 from a GPU copy). The copy is a
-        kernel (`_copy_table`), not a DMA: a host-to-device DMA queues on the copy engines
+        kernel (`_table_copy`), not a DMA: a host-to-device DMA queues on the copy engines
         behind the load DMAs in flight, which held stores back when both directions ran. It
         runs after the previous job of the direction, which the first lane waits for, so the
         one buffer per direction is free again by then.
         """
-        first = self._lane_handles[direction][0]
         tables = self._device_tables.get(direction)
         if tables is None or tables[2] < values:
             if tables is not None:  # grow: nothing may still read the old one
@@ -411,9 +449,7 @@ class StagedGpuExecutor(Executor):
             capacity = max(values, self.min_table_values)
             buffer = self._allocate(capacity * 8)
             tables = self._device_tables[direction] = (buffer, self._address(buffer), capacity)
-        self._copy_table(tables[1], slot.address, values, first)
-        self._record(self._uploaded[direction], first)
-        return tables[1], self._uploaded[direction]
+        return tables[1]
 
     def _new_slot(self, values: int) -> _TableSlot:
         """Return a new table slot of at least `values` int64, the ref table written in."""

@@ -12,9 +12,9 @@ the copies still happen, at once, in call order) whose CUDA primitives also log 
   and so does a host write (the host queues nothing before it has written).
 
 The host writes a job's tables into a pinned table slot (`_table_slot`); they are then copied to
-its direction's one GPU buffer of tables (`_upload`: a table-copy kernel on the direction's first
-lane, an UPLOAD op that reads the slot and writes the device tables), and the job's kernels read
-them there. The model logs the host's
+its direction's one GPU buffer of tables (`_upload_address`; a table-copy kernel on the
+direction's first lane, an UPLOAD op that reads the slot and writes the device tables), and the
+job's kernels read them there. The model logs the host's
 writes of the slot, each upload, and each kernel's reads of its tables (the ref table, the block
 ids its slice lines use, and those lines). `happens_before` is the transitive closure of the
 edges above; every op carries the memory it touches (a staging half as a whole, a byte range of
@@ -211,7 +211,6 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self._job: int | None = None
         self._job_ids: dict[int, int] = {}
         self._compute_op: Op | None = None
-        self._batches = 0
         self._uploading: Direction | None = None
         self._events = 0
         self.device_table_growths: list[tuple[Direction, bool]] = []
@@ -246,7 +245,7 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self.jobs[bound.job_id] = JobTrace(
             job_id=bound.job_id,
             direction=bound.plan.direction,
-            batches=self._batches,
+            batches=handle.batches,
             compute=self._compute_op,
             start=start,
             end=end,
@@ -256,10 +255,6 @@ class StreamOrderModel(TorchOnCpuExecutor):
         )
         self._compute_op = None
         return handle
-
-    def _end(self, direction: Direction, job: GpuJob, batches: int) -> int:
-        self._batches = batches
-        return super()._end(direction, job, batches)
 
     def _job_of(self, handle: GpuJob) -> JobTrace:
         return self.jobs[self._job_ids[id(handle)]]
@@ -277,7 +272,7 @@ class StreamOrderModel(TorchOnCpuExecutor):
     # --- memory ------------------------------------------------------------------------------
 
     def _allocate(self, nbytes: int) -> Any:
-        """Allocate; within `_upload` the buffer is the device tables, else a staging half
+        """Allocate; within `_upload_address` the buffer is the device tables, else a staging half
         (`_stages` names it)."""
         buffer = super()._allocate(nbytes)
         self._keep.append(buffer)
@@ -322,11 +317,11 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self.trace.queue(Kind.HOST, None, job=self._job, label="tables", accesses=[written])
         return slot
 
-    def _upload(self, slot: Any, values: int, direction: Direction) -> tuple[int, Any]:
+    def _upload_address(self, direction: Direction, values: int) -> int:
         """Mark the allocation made here as device tables."""
         self._uploading = direction
         try:
-            return super()._upload(slot, values, direction)
+            return super()._upload_address(direction, values)
         finally:
             self._uploading = None
 

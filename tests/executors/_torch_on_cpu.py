@@ -17,7 +17,7 @@ import numpy as np
 
 from kvferry.core.plan import Direction
 from kvferry.executors.host import HostRegistrar
-from kvferry.executors.staged import Dma, StageCopy
+from kvferry.executors.staged import DriverCalls, StageCopy, TableCopy
 from kvferry.executors.staging import REF_FIELDS, SLICE_FIELDS, segment_copies
 from kvferry.executors.torch_executor import TorchExecutor
 
@@ -181,11 +181,14 @@ class TorchOnCpuExecutor(TorchExecutor):
         ):
             ctypes.memmove(dst + dst_base, src + src_base, size)
 
-    def _dma(self) -> Dma:
-        return self._memcpy
+    def _driver_calls(self) -> DriverCalls:
+        return (self._record, self._wait, self._memcpy)
 
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         ctypes.memmove(dst, src, nbytes)
+
+    def _table_copy(self, count: int) -> TableCopy:
+        return self._copy_table
 
     def _copy_table(self, dst: int, src: int, count: int, stream: int) -> None:
         """Do the table-copy kernel's work: `count` int64 from `src` to `dst`."""
