@@ -5,10 +5,10 @@ library; without a GPU it says so and exits 0.
 
 Per executor and page size it submits 2048-block x 32-layer loads (random block ids, catalog
 rows; one `wait()` after each, as `transfer.py` measures target 4, or back to back in bursts
-with `--bursts`), with each step of the
-staged path timed on the host: checking the plan, planning, writing the table slot, the job's
-first events, the table upload, the job's last events, and the batch loop (every kernel launch
-and every DMA, queued by compiled code).
+with `--bursts`), with each step of the staged path timed on the host: checking the plan,
+planning, writing the table slot, finding the GPU tables, taking the job's events, asking for
+the compute stream, and the job's driver calls (its event records and waits, the table upload,
+every kernel launch and every DMA: one compiled call).
 Medians over the jobs after two warm-ups; the steps do not add up to the whole (the loop around
 them, and the timing itself, about 1 µs a step).
 
@@ -34,8 +34,9 @@ from kvferry.core.plan import Direction
 from kvferry.executors import _native, make_executor
 
 BLOCKS = 2048
-STEPS = ("_table_slot", "_begin", "_upload", "_end")
-"""The staged executor's steps timed on the instance (plus `check_bound` and the planner)."""
+STEPS = ("_table_slot", "_upload_address", "_new_job", "_compute_stream_now")
+"""The staged executor's steps timed on the instance (plus `check_bound`, the planner and the
+compiled job calls)."""
 
 
 def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
@@ -61,9 +62,9 @@ def breakdown(torch: Any, variant: str, page: int, jobs: int, burst: int = 1) ->
     the ones before, as an engine's scheduler would make them.
     """
     spent: dict[str, float] = defaultdict(float)
-    check_bound, queue_batches = executor_base.check_bound, _native.queue_batches
+    check_bound, queue_job = executor_base.check_bound, _native.queue_job
     executor_base.check_bound = _timed(spent, "check", check_bound)
-    _native.queue_batches = _timed(spent, "batches", queue_batches)  # type: ignore[assignment]
+    _native.queue_job = _timed(spent, "job calls", queue_job)  # type: ignore[assignment]
     name, options = VARIANTS[variant]
     moved, num_blocks, kv = bench_kv_caches(torch, 32, page, BLOCKS * 32 * page)
     executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
@@ -89,11 +90,11 @@ def breakdown(torch: Any, variant: str, page: int, jobs: int, burst: int = 1) ->
                 job += 1
             executor.wait(range(first, job))
     finally:
-        executor_base.check_bound, _native.queue_batches = check_bound, queue_batches
+        executor_base.check_bound, _native.queue_job = check_bound, queue_job
         executor.close()
         del kv
         torch.cuda.empty_cache()
-    keys = ["submit", "check", "plan", *(step.strip("_") for step in STEPS), "batches"]
+    keys = ["submit", "check", "plan", *(step.strip("_") for step in STEPS), "job calls"]
     return {key: statistics.median(s.get(key, 0.0) for s in samples) for key in keys}
 
 
