@@ -486,9 +486,12 @@ static PyObject *end_job(PyObject *self, PyObject *args) {
 }
 
 /* queue_job(driver, lanes, compute, events, upload, kernel, batches) -> None or (status, call)
- * A whole staged job, as StagedGpuExecutor._enqueue_staged documents it: begin (above), the
- * table upload on lane 0 and its event (which lane 1 waits for when the job has a second
- * batch), the batch loop, finish (above). `events` is (ready, previous end or None, start,
+ * A whole staged job, as StagedGpuExecutor._enqueue_staged documents it: begin (above) without
+ * the wait for the previous job, the table upload on lane 0 and its event (which lane 1 waits
+ * for when the job has a second batch), the batch loop, finish (above). Lane 0 waits for the
+ * previous job (its end event, unless None) in its first batch, just before the job first
+ * writes memory that job may also write: a store's first DMA to the tier, a load's first
+ * scatter into KV blocks (or before the end, for a job of no batch). `events` is (ready, previous end or None, start,
  * uploaded, joined, end); `upload` (TableCopy, dst, src, count), the TableCopy a callable or
  * (cuLaunchKernel's address, CUfunction, threads, blocks); `kernel` a StageCopy callable or a
  * NativeLaunch tuple; `batches` (stages, host, store, segments, line_bytes, most, warps, items,
@@ -534,7 +537,7 @@ static PyObject *queue_job(PyObject *self, PyObject *args) {
     }
     const uint64_t lanes[2] = {lanes_in[0], lanes_in[1]};
     const char *failed = NULL;
-    int status = begin(&driver, lanes, compute, ready, previous, start, &failed);
+    int status = begin(&driver, lanes, compute, ready, Py_None, start, &failed);
     if (!status) status = upload(&table, lanes[0], &failed);
     if (!status) status = record_event(&driver, uploaded, lanes[0], &failed);
     if (!status && batches > 1) /* after what lane 0 waited on, and the upload */
@@ -548,12 +551,18 @@ static PyObject *queue_job(PyObject *self, PyObject *args) {
         uint64_t at = segments + (uint64_t)(line_bytes * lines[k]);
         if (store && count) /* gather, then copy out */
             status = launch(&kernel, lane, at, count, stage, (unsigned)blocks, &failed);
+        if (!status && k == 0 && store && previous != Py_None) /* before writing the tier */
+            status = wait_event(&driver, lane, previous, &failed);
         for (int64_t i = link[k]; i < link[k + 1] && !status; i++)
             status = copy(&driver, dst_base + (uint64_t)dst[i], src_base + (uint64_t)src[i],
                           size[i], lane, &failed);
+        if (!status && k == 0 && !store && previous != Py_None) /* before writing KV blocks */
+            status = wait_event(&driver, lane, previous, &failed);
         if (!status && count && !store) /* copy in, then scatter */
             status = launch(&kernel, lane, at, count, stage, (unsigned)blocks, &failed);
     }
+    if (!status && !batches && previous != Py_None) /* the end comes after the previous one's */
+        status = wait_event(&driver, lanes[0], previous, &failed);
     if (!status) status = finish(&driver, lanes, batches, joined, end, &failed);
     result = outcome(status, failed);
 done:

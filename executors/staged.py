@@ -117,16 +117,18 @@ class StagedGpuExecutor(Executor):
     """An executor whose transfers go through GPU staging; subclasses bind a CUDA library.
 
     Every job first waits, with an event, on the compute stream (the one given at construction,
-    else the current stream at submit time), so it sees the bytes queued compute writes, and on
-    the previous job of its direction, so one direction runs in submission order. Staging is two
-    halves of `staging_bytes // 2` per direction (at least one row each), allocated on first use.
-    The library owns streams, memory and the compiled kernel; the per-batch calls (events, DMAs,
-    launches) go to the CUDA driver (`executors.driver`), on integer handles.
+    else the current stream at submit time), so it sees the bytes queued compute writes; it
+    writes the tier or KV blocks, and ends, only after the previous job of its direction has
+    ended, so one direction's writes land in submission order (a staged job prepares its first
+    batch before that: `_enqueue_staged`). Staging is two halves of `staging_bytes // 2` per
+    direction (at least one row each), allocated on first use. The library owns streams, memory
+    and the compiled kernel; a job's calls (events, DMAs, launches) go to the CUDA driver
+    (`executors.driver`), on integer handles.
     """
 
     min_table_values = 1 << 16
-    """int64 values a table slot or a direction's GPU tables hold at least (512 KiB); a job that
-    needs more grows its buffer."""
+    """int64 values a table slot (and its GPU tables) holds at least (512 KiB); a job that needs
+    more grows them."""
 
     def __init__(
         self,
@@ -170,14 +172,14 @@ class StagedGpuExecutor(Executor):
         }
         self._last_job: dict[Direction, GpuJob] = {}
         """The job each direction queued last: the next one waits for its end event."""
+        self._next_lane: dict[Direction, int] = {}
+        """The lane (and staging half) the direction's next batch runs on: a job starts on the
+        lane after its previous job's last batch (see `_enqueue_staged`)."""
         self._spare_events: list[Any] = []
         """Timing events of finished jobs, for the next jobs (creating one is a driver call)."""
         self._staging: dict[Direction, tuple[list[Any], tuple[int, int]]] = {}
         self._tables: dict[Direction, list[_TableSlot]] = {}
         self._next_slot: dict[Direction, int] = {}
-        self._device_tables: dict[Direction, tuple[Any, int, int]] = {}
-        """Per direction, where its jobs' tables are copied on the GPU: the buffer, its address,
-        the int64 it holds."""
 
     # --- what a CUDA library provides ----------------------------------------------------------
 
@@ -344,32 +346,46 @@ class StagedGpuExecutor(Executor):
         if failed:
             check_status(*failed)
         self._last_job[direction] = job
+        self._next_lane[direction] = batches % 2
 
     def _enqueue_staged(self, bound: BoundPlan) -> GpuJob:
         """Queue a staged transfer; return its job.
 
-        The job's tables go to the GPU first (`_upload_address`), on the first lane, after it
-        waited for compute and the previous job of the direction (`_begin`'s calls). Batch k
-        runs on lane k % 2 with staging half k % 2: a store gathers the batch's pages into the
-        half with one kernel launch and then copies the half out with the batch's link copies;
-        a load copies in, then scatters. The second lane starts after the upload. The launch
-        takes one block per `WARPS` kernel pieces, at most `copy_blocks`. Then `_end`'s calls.
-        All of it is one compiled call (`_native.queue_job`): in Python, the job's driver calls
-        were most of a large job's submit time.
+        The job's tables go to the GPU first (`_new_slot`), on its first lane, after that lane
+        waited for compute. Batch k runs on the direction's lane `(first + k) % 2` with that
+        lane's staging half, where `first` is the lane after the previous job's last batch: a
+        store gathers the batch's pages into the half with one kernel launch and then copies
+        the half out with the batch's link copies; a load copies in, then scatters. The second
+        lane starts after the upload. The launch takes one block per `WARPS` kernel pieces, at
+        most `copy_blocks`. Then `_end`'s calls.
+
+        The job waits for the previous job of its direction (its end event) only on its first
+        lane, just before it first writes what that job may also write (a store's first DMA to
+        the tier, a load's first scatter), so the upload and the first gather or DMA into
+        staging overlap the previous job's last batch, on the other lane: its work and theirs
+        then touch different halves and tables, and beside a model's kernels, which keep the
+        staging kernels waiting for SMs, the link no longer idles between jobs. Every later op
+        follows the previous job in stream order or through the upload's event. All of it is
+        one compiled call (`_native.queue_job`): in Python, the job's driver calls were most of
+        a large job's submit time.
         """
         direction = bound.plan.direction
         plan = self._planner.plan(bound)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
         slot = self._table_slot(ids, plan.table, direction)
         values = self._planner.ref_table.size + len(ids) + plan.table.size
-        refs = self._upload_address(direction, values)
         job, previous = self._new_job(direction, CopyPath.STAGED)
         job.batches = len(plan)
+        refs = slot.tables_address
         ids_address = refs + self._planner.ref_table.nbytes
         store = direction is Direction.STORE
+        first = self._next_lane.get(direction, 0)
+        lanes, stages = self._lane_handles[direction], self._stages(direction)
+        if first:
+            lanes, stages = (lanes[1], lanes[0]), (stages[1], stages[0])
         failed = _native.queue_job(
             self._driver_calls(),
-            self._lane_handles[direction],
+            lanes,
             self._compute_stream_now(),
             (
                 self._ready[direction],
@@ -382,7 +398,7 @@ class StagedGpuExecutor(Executor):
             (self._table_copy(values), refs, slot.address, values),
             self._stage_kernel(refs=refs, ids=ids_address, to_stage=store),
             (
-                self._stages(direction),
+                stages,
                 self.host_tier.address,
                 store,
                 ids_address + 8 * len(ids),
@@ -400,13 +416,14 @@ class StagedGpuExecutor(Executor):
         if failed:
             check_status(*failed)
         self._last_job[direction] = job
+        self._next_lane[direction] = (first + len(plan)) % 2
         slot.job = job  # its end comes after the upload that read the slot
         return job
 
     def _table_slot(self, ids: IdArray, table: IdArray, direction: Direction) -> _TableSlot:
         """Write the ref table, `ids` and the slice `table` (int64), one after the other, into
-        the direction's next pinned table slot and return it (the job copies it to the GPU,
-        `_upload_address`).
+        the direction's next pinned table slot and return it (the job copies it to the slot's
+        GPU tables, `_new_slot`).
 
         Jobs take the `TABLE_SLOTS` slots in turn; a slot is written again only once the job
         that last used it has ended (its end event, unless the host saw it finish; with a few
@@ -429,39 +446,31 @@ class StagedGpuExecutor(Executor):
         slot.view[refs + len(ids) : end] = table.ravel()
         return slot
 
-    def _upload_address(self, direction: Direction, values: int) -> int:
-        """Return the address of the direction's GPU tables, `values` int64 at least (grown when
-        smaller), where a job's tables are copied from its table slot.
+    def _new_slot(self, values: int) -> _TableSlot:
+        """Return a new table slot of at least `values` int64, the ref table written in, with
+        GPU tables of the same size, where its jobs copy it.
 
         The kernels read their tables from GPU memory: read from pinned memory, every warp's
         lookups would cross the link, which is busy with the job's own DMAs (a store's 4 KiB
         pages ran at 0.90-0.95 of the link that way, 0.97-0.99 from a GPU copy). The copy is a
         kernel (`_table_copy`), not a DMA: a host-to-device DMA queues on the copy engines
-        behind the load DMAs in flight, which held stores back when both directions ran. It
-        runs after the previous job of the direction, which the first lane waits for, so the
-        one buffer per direction is free again by then.
+        behind the load DMAs in flight, which held stores back when both directions ran. Each
+        slot has GPU tables of its own, so a job's upload never overwrites tables that a job
+        still in flight reads: the slot, and so its GPU tables, is taken again only once its
+        last job has ended (`_table_slot`).
         """
-        tables = self._device_tables.get(direction)
-        if tables is None or tables[2] < values:
-            if tables is not None:  # grow: nothing may still read the old one
-                for lane in self._lanes[direction]:
-                    self._synchronize(lane)
-            capacity = max(values, self.min_table_values)
-            buffer = self._allocate(capacity * 8)
-            tables = self._device_tables[direction] = (buffer, self._address(buffer), capacity)
-        return tables[1]
-
-    def _new_slot(self, values: int) -> _TableSlot:
-        """Return a new table slot of at least `values` int64, the ref table written in."""
         capacity = max(values, self.min_table_values)
         host, view = self._allocate_pinned(capacity)
         refs = self._planner.ref_table.ravel()
         view[: len(refs)] = refs
+        tables = self._allocate(capacity * 8)
         return _TableSlot(
             host=host,
             view=view,
             address=int(view.ctypes.data),
             capacity=capacity,
+            tables=tables,
+            tables_address=self._address(tables),
         )
 
     def _done(self, handle: GpuJob) -> bool:
@@ -489,7 +498,7 @@ class StagedGpuExecutor(Executor):
         self._last_job.clear()
         self._staging.clear()
         self._tables.clear()
-        self._device_tables.clear()
+        self._next_lane.clear()
 
 
 @attrs.define(kw_only=True)
@@ -504,5 +513,9 @@ class _TableSlot:
     """Its address, which the table-copy kernel reads (pinned memory is mapped for the GPU)."""
     capacity: int
     """int64 values it holds."""
+    tables: Any
+    """The GPU buffer of as many int64 that its jobs copy it to, which their kernels read."""
+    tables_address: int
+    """That buffer's address."""
     job: GpuJob | None = None
     """The last job that read it, until the host knows that job ended."""

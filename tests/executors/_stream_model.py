@@ -12,14 +12,13 @@ the copies still happen, at once, in call order) whose CUDA primitives also log 
   and so does a host write (the host queues nothing before it has written).
 
 The host writes a job's tables into a pinned table slot (`_table_slot`); they are then copied to
-its direction's one GPU buffer of tables (`_upload_address`; a table-copy kernel on the
-direction's first lane, an UPLOAD op that reads the slot and writes the device tables), and the
-job's kernels read them there. The model logs the host's
-writes of the slot, each upload, and each kernel's reads of its tables (the ref table, the block
-ids its slice lines use, and those lines). `happens_before` is the transitive closure of the
-edges above; every op carries the memory it touches (a staging half as a whole, a byte range of
-a pinned table slot, of the device tables, of the tier), so a hazard is two ops touching the same
-memory, one writing, that it does not order.
+the slot's own GPU buffer of tables (a table-copy kernel on the job's first lane, an UPLOAD op
+that reads the slot and writes the device tables), and the job's kernels read them there. The
+model logs the host's writes of the slot, each upload, and each kernel's reads of its tables
+(the ref table, the block ids its slice lines use, and those lines). `happens_before` is the
+transitive closure of the edges above; every op carries the memory it touches (a staging half
+as a whole, a byte range of a pinned table slot, of the device tables, of the tier), so a hazard
+is two ops touching the same memory, one writing, that it does not order.
 """
 
 from __future__ import annotations
@@ -211,11 +210,8 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self._job: int | None = None
         self._job_ids: dict[int, int] = {}
         self._compute_op: Op | None = None
-        self._uploading: Direction | None = None
+        self._allocating_tables = False
         self._events = 0
-        self.device_table_growths: list[tuple[Direction, bool]] = []
-        """Per growth of a direction's device tables: whether every lane of the direction had
-        finished, as far as the host knew (the grown buffer replaces one kernels may read)."""
         super().__init__(**options)
 
     # --- the engine --------------------------------------------------------------------------
@@ -272,15 +268,11 @@ class StreamOrderModel(TorchOnCpuExecutor):
     # --- memory ------------------------------------------------------------------------------
 
     def _allocate(self, nbytes: int) -> Any:
-        """Allocate; within `_upload_address` the buffer is the device tables, else a staging half
-        (`_stages` names it)."""
+        """Allocate; within `_new_slot` the buffer is a slot's device tables, else a staging
+        half (`_stages` names it)."""
         buffer = super()._allocate(nbytes)
         self._keep.append(buffer)
-        if self._uploading is not None:
-            if self._uploading in self._device_tables:
-                last = [self.trace.last_on(lane) for lane in self._lane_handles[self._uploading]]
-                idle = all(op is None or self.trace.host_knows(op) for op in last)
-                self.device_table_growths.append((self._uploading, idle))
+        if self._allocating_tables:
             address = self._address(buffer)
             self._regions.append((address, address + nbytes, ("tables", address)))
         return buffer
@@ -317,13 +309,13 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self.trace.queue(Kind.HOST, None, job=self._job, label="tables", accesses=[written])
         return slot
 
-    def _upload_address(self, direction: Direction, values: int) -> int:
-        """Mark the allocation made here as device tables."""
-        self._uploading = direction
+    def _new_slot(self, values: int) -> Any:
+        """Mark the device allocation made here as device tables."""
+        self._allocating_tables = True
         try:
-            return super()._upload_address(direction, values)
+            return super()._new_slot(values)
         finally:
-            self._uploading = None
+            self._allocating_tables = False
 
     def _access(self, address: int, nbytes: int, *, write: bool) -> Access:
         """Return the access to `nbytes` at `address` (a staging half counts as a whole)."""

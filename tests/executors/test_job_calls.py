@@ -1,7 +1,8 @@
 """The compiled job code (`_native.queue_job`, `begin_job`, `end_job`) makes a staged job's driver
-calls in the order the staged path needs: lane 0 waits for compute and the previous job, the
-tables go up, each batch's kernel launch and DMAs run on its lane, and the end is recorded after
-both lanes. It makes the same calls whether it calls the driver itself (through function
+calls in the order the staged path needs: lane 0 waits for compute, the tables go up, each
+batch's kernel launch and DMAs run on its lane, lane 0 waits for the previous job just before
+the job first writes the tier (a store) or KV blocks (a load), and the end is recorded after both
+lanes. It makes the same calls whether it calls the driver itself (through function
 addresses, here C callbacks standing in for `libcuda`) or Python callables (the CPU test
 doubles); a driver error stops it and names the call."""
 
@@ -146,10 +147,11 @@ def _launch(lane: int, blocks: int, *, line: int, count: int, stage: int, store:
 FIRST_CALLS = [
     ("record", READY, COMPUTE),
     ("wait", LANES[0], READY),
-    ("wait", LANES[0], PREVIOUS),
     ("record", START, LANES[0]),
 ]
-"""A job's calls before its work: lane 0 after compute and after the previous job."""
+"""A staged job's calls before its work: lane 0 after compute."""
+AFTER_PREVIOUS = ("wait", LANES[0], PREVIOUS)
+"""Lane 0 waiting for the previous job's end."""
 UPLOAD_CALLS = [
     ("launch", LANES[0], TABLE_BLOCKS, TABLE_KERNEL, THREADS, SLOT, TABLES, VALUES),
     ("record", UPLOADED, LANES[0]),
@@ -173,6 +175,7 @@ def test_a_store_gathers_each_batch_then_copies_it_out_on_its_lane() -> None:
         *FIRST_CALLS,
         *UPLOAD_CALLS,
         _launch(LANES[0], 1, line=0, count=1, stage=STAGES[0], store=1),
+        AFTER_PREVIOUS,  # before the first write of the tier
         ("copy", LANES[0], HOST + 1000, STAGES[0] + 100, 10),
         _launch(LANES[1], MOST, line=1, count=2, stage=STAGES[1], store=1),
         ("copy", LANES[0], HOST + 2000, STAGES[0] + 200, 20),
@@ -188,6 +191,7 @@ def test_a_load_copies_each_batch_in_then_scatters_it_on_its_lane() -> None:
         *FIRST_CALLS,
         *UPLOAD_CALLS,
         ("copy", LANES[0], STAGES[0] + 1000, HOST + 100, 10),
+        AFTER_PREVIOUS,  # before the first write of KV blocks
         _launch(LANES[0], 1, line=0, count=1, stage=STAGES[0], store=0),
         _launch(LANES[1], MOST, line=1, count=2, stage=STAGES[1], store=0),
         ("copy", LANES[0], STAGES[0] + 2000, HOST + 200, 20),
@@ -196,10 +200,12 @@ def test_a_load_copies_each_batch_in_then_scatters_it_on_its_lane() -> None:
     ]
 
 
-def test_a_job_after_one_the_host_saw_finish_does_not_wait_for_it() -> None:
-    driver = _Driver()
-    assert _native_job(driver, store=True, previous=None) is None
-    assert driver.calls[:3] == [FIRST_CALLS[0], FIRST_CALLS[1], FIRST_CALLS[3]]
+@pytest.mark.parametrize("store", [True, False])
+def test_a_job_after_one_the_host_saw_finish_does_not_wait_for_it(store: bool) -> None:
+    driver, waited = _Driver(), _Driver()
+    assert _native_job(driver, store=store, previous=None) is None
+    assert _native_job(waited, store=store) is None
+    assert driver.calls == [call for call in waited.calls if call != AFTER_PREVIOUS]
 
 
 def test_a_job_of_one_batch_runs_and_ends_on_lane_0_alone() -> None:
@@ -211,6 +217,7 @@ def test_a_job_of_one_batch_runs_and_ends_on_lane_0_alone() -> None:
         *FIRST_CALLS,
         *UPLOAD_CALLS[:2],
         _launch(LANES[0], 1, line=0, count=1, stage=STAGES[0], store=1),
+        AFTER_PREVIOUS,
         ("copy", LANES[0], HOST + 1000, STAGES[0] + 100, 10),
         ("record", END, LANES[0]),
     ]
@@ -228,19 +235,24 @@ def test_a_job_of_two_batches_ends_on_lane_1_after_lane_0() -> None:
     ]
 
 
-def test_a_job_of_no_batch_uploads_and_ends_on_lane_0() -> None:
+def test_a_job_of_no_batch_uploads_and_ends_on_lane_0_after_the_previous_job() -> None:
     driver = _Driver()
     none = {"items": (), "lines": (0,), "link": (0,), "src": (), "dst": (), "size": ()}
     assert _native_job(driver, store=False, columns=none) is None
-    assert driver.calls == [*FIRST_CALLS, *UPLOAD_CALLS[:2], ("record", END, LANES[0])]
+    assert driver.calls == [
+        *FIRST_CALLS,
+        *UPLOAD_CALLS[:2],
+        AFTER_PREVIOUS,
+        ("record", END, LANES[0]),
+    ]
 
 
-def test_begin_and_end_alone_make_a_jobs_first_and_last_calls() -> None:
+def test_begin_and_end_alone_wait_for_the_previous_job_first_and_make_the_last_calls() -> None:
     driver = _Driver()
     calls = driver.calls_by_address()
     assert _native.begin_job(calls, LANES, COMPUTE, READY, PREVIOUS, START) is None
     assert _native.end_job(calls, LANES, 3, JOINED, END) is None
-    assert driver.calls == [*FIRST_CALLS, *LAST_CALLS]
+    assert driver.calls == [*FIRST_CALLS[:2], AFTER_PREVIOUS, FIRST_CALLS[2], *LAST_CALLS]
 
 
 @pytest.mark.parametrize("store", [True, False])
@@ -273,8 +285,9 @@ def test_callables_receive_the_same_calls_as_the_driver(store: bool) -> None:
     [
         (1, "cuEventRecord"),
         (2, "cuStreamWaitEvent"),
-        (5, "cuLaunchKernel"),  # the table copy
-        (8, "cuLaunchKernel"),  # the first gather
+        (4, "cuLaunchKernel"),  # the table copy
+        (7, "cuLaunchKernel"),  # the first gather
+        (8, "cuStreamWaitEvent"),  # for the previous job
         (9, "cuMemcpyAsync"),
         (15, "cuEventRecord"),  # the end
     ],
