@@ -8,7 +8,9 @@ counts) it keeps two store jobs and two load jobs in flight (so each direction r
 and measures, all in the same run:
 
 * matmul alone: a loop of bf16 8192 x 8192 x 8192 matmuls on its own stream, timed with CUDA
-  events, measured right before each variant (adjacent, so clock drift cancels);
+  events after `--warmup-matmuls` untimed ones (so the board's power cap has settled the clock
+  the same way for every loop: see `_Matmul`), measured right before each variant (adjacent,
+  so clock drift cancels);
 * transfers alone: store and load GB/s over a fixed host-time window, no matmul (after one
   warm-up job each way and `--settle` seconds of unmeasured transfers);
 * both together: the same matmul loop while the transfers run; slowdown = with / alone - 1,
@@ -165,11 +167,19 @@ class _PinnedCopyJobs(_Jobs):
 
 
 class _Matmul:
-    """A loop of `count` bf16 N x N x N matmuls on its own stream, timed with CUDA events."""
+    """A loop of `count` bf16 N x N x N matmuls on its own stream, timed with CUDA events, after
+    `warmup` untimed ones.
 
-    def __init__(self, torch: Any, count: int) -> None:
+    The board runs the loop at its power cap, where the SM clock follows the power drawn over
+    the last fraction of a second: a loop of ~0.5 s that starts after a lighter load (transfers
+    alone, an idle GPU) runs several per cent faster than one that starts after another matmul
+    loop. The untimed matmuls bring every loop to the same state before its clock starts, so a
+    slowdown measures what runs beside the loop, not what ran before it."""
+
+    def __init__(self, torch: Any, count: int, warmup: int) -> None:
         self._torch = torch
         self._count = count
+        self._warmup = warmup
         self._stream = torch.cuda.Stream()
         with torch.cuda.stream(self._stream):
             self._a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
@@ -181,11 +191,13 @@ class _Matmul:
         """Queue the loop (returns at once)."""
         torch = self._torch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(self._stream)
         with torch.cuda.stream(self._stream):
+            for _ in range(self._warmup):
+                torch.matmul(self._a, self._b, out=self._c)
+            start.record(self._stream)
             for _ in range(self._count):
                 torch.matmul(self._a, self._b, out=self._c)
-        end.record(self._stream)
+            end.record(self._stream)
         self._events = (start, end)
 
     def done(self) -> bool:
@@ -451,6 +463,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gib", type=float, default=0.5, help="bytes per job")
     parser.add_argument("--matmuls", type=int, default=300, help="matmuls per timed loop")
+    parser.add_argument(
+        "--warmup-matmuls",
+        type=int,
+        default=300,
+        help="untimed matmuls before each timed loop (see _Matmul)",
+    )
     parser.add_argument("--window", type=float, default=0.4, help="seconds of transfers alone")
     parser.add_argument(
         "--settle",
@@ -542,7 +560,7 @@ def main() -> int:
     total = int(args.gib * (1 << 30))
     ceiling = _ceiling(torch, total, 3)
     bidir = _bidirectional_ceiling(torch, total, args.window * 2)
-    matmul = _Matmul(torch, args.matmuls)
+    matmul = _Matmul(torch, args.matmuls, args.warmup_matmuls)
     matmul.alone()  # warm-up (cuBLAS heuristics, clocks)
     device = torch.cuda.get_device_name()
     print(f"device: {device}")

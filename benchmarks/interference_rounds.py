@@ -100,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gib", type=float, default=0.5, help="bytes per job")
     parser.add_argument("--matmuls", type=int, default=300, help="matmuls per timed loop")
+    parser.add_argument(
+        "--warmup-matmuls",
+        type=int,
+        default=300,
+        help="untimed matmuls before each timed loop (interference._Matmul)",
+    )
     parser.add_argument("--settle", type=float, default=0.3, help="seconds of transfers first")
     parser.add_argument("--seed", type=int, default=0, help="of the arms' order in each round")
     parser.add_argument("--json", default=None)
@@ -115,7 +121,7 @@ def main() -> int:
     total = int(args.gib * (1 << 30))
     page = args.page_kib * KIB
     bidir = _bidirectional_ceiling(torch, total, 0.8)
-    matmul = _Matmul(torch, args.matmuls)
+    matmul = _Matmul(torch, args.matmuls, args.warmup_matmuls)
     matmul.alone()  # warm-up (cuBLAS heuristics, clocks)
     moved, num_blocks, kv = bench_kv_caches(torch, args.layers, page, total)
     variants = args.variants.split(",")

@@ -6,11 +6,10 @@ library; without a GPU it says so and exits 0.
 Per executor and page size it submits 2048-block x 32-layer loads (random block ids, catalog
 rows; one `wait()` after each, as `transfer.py` measures target 4, or back to back in bursts
 with `--bursts`), with each step of the staged path timed on the host: checking the plan,
-planning, writing the table slot, finding the GPU tables, taking the job's events, asking for
-the compute stream, and the job's driver calls (its event records and waits, the table upload,
-every kernel launch and every DMA: one compiled call).
-Medians over the jobs after two warm-ups; the steps do not add up to the whole (the loop around
-them, and the timing itself, about 1 µs a step).
+planning, writing the table slot, taking the job's events, asking for the compute stream, and
+the job's driver calls (its event records and waits, the table upload, every kernel launch and
+every DMA: one compiled call). Medians over the jobs after two warm-ups; the steps do not add
+up to the whole (the loop around them, and the timing itself, about 1 µs a step).
 
     python3 benchmarks/submit_breakdown.py --variants torch,cupy --bursts 1,4
 """
@@ -34,7 +33,7 @@ from kvferry.core.plan import Direction
 from kvferry.executors import _native, make_executor
 
 BLOCKS = 2048
-STEPS = ("_table_slot", "_upload_address", "_new_job", "_compute_stream_now")
+STEPS = ("_table_slot", "_new_job", "_compute_stream_now")
 """The staged executor's steps timed on the instance (plus `check_bound`, the planner and the
 compiled job calls)."""
 

@@ -56,6 +56,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "torch-64MiB": ("torch", {"staging_bytes": 64 << 20}),
     "torch-256MiB": ("torch", {"staging_bytes": 256 << 20}),
     "cupy-256MiB": ("cupy", {"staging_bytes": 256 << 20}),
+    "torch-512MiB": ("torch", {"staging_bytes": 512 << 20}),
+    "cupy-512MiB": ("cupy", {"staging_bytes": 512 << 20}),
     "cupy-512blocks": ("cupy", {"copy_blocks": 512}),
     "torch-16blocks": ("torch", {"copy_blocks": 16}),
     "cupy-16blocks": ("cupy", {"copy_blocks": 16}),
