@@ -456,10 +456,8 @@ def _target_lines(rows: list[dict[str, Any]], pages: list[int]) -> list[str]:
     return [summary2, summary3]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
-    parser.add_argument("--pages-kib", default="16,64,256")
+def add_job_and_matmul_options(parser: argparse.ArgumentParser) -> None:
+    """Add the options of the jobs and of the matmul loop (shared with interference_rounds)."""
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gib", type=float, default=0.5, help="bytes per job")
     parser.add_argument("--matmuls", type=int, default=300, help="matmuls per timed loop")
@@ -469,6 +467,13 @@ def _parser() -> argparse.ArgumentParser:
         default=300,
         help="untimed matmuls before each timed loop (see _Matmul)",
     )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--pages-kib", default="16,64,256")
+    add_job_and_matmul_options(parser)
     parser.add_argument("--window", type=float, default=0.4, help="seconds of transfers alone")
     parser.add_argument(
         "--settle",

@@ -42,6 +42,7 @@ from interference import (
     _make_jobs,
     _Matmul,
     _warm_up,
+    add_job_and_matmul_options,
 )
 from transfer import KIB, bench_kv_caches, cuda_torch, write_json
 
@@ -99,15 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", default=f"{PINNED},torch,cupy")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--page-kib", type=int, default=16, help="the executors' page size")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--gib", type=float, default=0.5, help="bytes per job")
-    parser.add_argument("--matmuls", type=int, default=300, help="matmuls per timed loop")
-    parser.add_argument(
-        "--warmup-matmuls",
-        type=int,
-        default=300,
-        help="untimed matmuls before each timed loop (interference._Matmul)",
-    )
+    add_job_and_matmul_options(parser)
     parser.add_argument("--settle", type=float, default=0.3, help="seconds of transfers first")
     parser.add_argument("--seed", type=int, default=0, help="of the arms' order in each round")
     parser.add_argument("--json", default=None)
