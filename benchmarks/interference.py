@@ -59,6 +59,10 @@ DEFAULT_VARIANTS = (
     "pinned-copy,torch,cupy,cupy-zero-copy-4,cupy-zero-copy-8,cupy-zero-copy-16,cupy-zero-copy-32"
 )
 PINNED = "pinned-copy"
+SM_PASS = "pinned-copy+sm-pass"
+"""The copy engines' transfer plus one pass of its bytes through the SMs (`_SmPassJobs`)."""
+REFERENCES = (PINNED, SM_PASS)
+"""Variants that are references, not executors."""
 ZERO_COPY_PREFIX = "cupy-zero-copy-"
 
 
@@ -216,6 +220,40 @@ class _Matmul:
         """Run the loop with nothing beside it; return seconds per matmul."""
         self.start()
         return self.seconds_per_matmul()
+
+
+class _SmPassJobs(_PinnedCopyJobs):
+    """The contiguous pinned copies of `_PinnedCopyJobs`, each with one pass of its bytes through
+    the SMs in GPU memory on the same stream: a store first copies its pages into staging with
+    an elementwise kernel, a load copies staging into its pages after the DMA.
+
+    The least SM work a staged path can do (every byte read and written once in HBM, by a
+    kernel on the whole GPU at HBM speed, with no gather addressing), so beside the matmul it
+    bounds what any staged path costs: kvferry's staging kernels do the same traffic, slower.
+    """
+
+    def __init__(self, torch: Any, nbytes: int) -> None:
+        super().__init__(torch, nbytes)
+        words = nbytes // 4
+        self._pages = {d: torch.zeros(words, dtype=torch.int32, device="cuda") for d in Direction}
+        self._stage = {d: torch.zeros(words, dtype=torch.int32, device="cuda") for d in Direction}
+
+    def submit(self, direction: Direction) -> None:
+        torch = self._torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = self._streams[direction]
+        pages, stage = self._pages[direction], self._stage[direction]
+        host = self._host.view(torch.int32)
+        start.record(stream)
+        with torch.cuda.stream(stream):
+            if direction is Direction.STORE:
+                torch.add(pages, 0, out=stage)  # the gather's traffic
+                host.copy_(stage, non_blocking=True)
+            else:
+                stage.copy_(host, non_blocking=True)
+                torch.add(stage, 0, out=pages)  # the scatter's traffic
+        end.record(stream)
+        self._pending.append((direction, start, end))
 
 
 class _GpuSampler:
@@ -393,7 +431,7 @@ def _measure_variant(
 def _target_lines(rows: list[dict[str, Any]], pages: list[int]) -> list[str]:
     """Return the summary lines for targets 2 and 3 (of the pages measured here)."""
     parts2 = []
-    executors = [r for r in rows if r["variant"] != PINNED]
+    executors = [r for r in rows if r["variant"] not in REFERENCES]
     # target 2: for each executor (torch; cupy on any path) and page, combined >= 0.90
     verdicts = []
     for executor in ("torch", "cupy"):
@@ -492,6 +530,8 @@ def _make_jobs(
     """Return the job source of one variant (its executor on an idle compute stream)."""
     if variant == PINNED:
         return _PinnedCopyJobs(torch, total)
+    if variant == SM_PASS:
+        return _SmPassJobs(torch, total)
     name, options = _variant(variant)
     executor = make_executor(
         name,
