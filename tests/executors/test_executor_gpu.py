@@ -14,6 +14,7 @@ from _harness import (
     Model,
     backend_for,
     bound_plan,
+    expected_gpu,
     expected_host,
 )
 
@@ -197,3 +198,65 @@ def test_stores_queued_back_to_back_each_write_their_own_rows(name: str) -> None
         for moves in batches:
             expected = expected_host(model, expected, source, moves)
         np.testing.assert_array_equal(executor.host_tier.array, expected)
+
+
+def _group_0(ids: tuple[int, ...], rows: tuple[int, ...]) -> list[GroupMove]:
+    """Whole rows of group 0 alone (F = 3)."""
+    return [
+        GroupMove(ids=ids, first=0, rows=rows),
+        GroupMove(ids=(), first=0, rows=()),
+        GroupMove(ids=(), first=0, rows=()),
+    ]
+
+
+def _batched_model(name: str) -> Model:
+    """A model whose staging halves hold one row: every job below is three batches, and each
+    starts beside the last batch of the job before it."""
+    model = _model(name)
+    row = model.executor.layout.row_bytes
+    model.executor.close()
+    return _model(name, staging_bytes=2 * row)
+
+
+@pytest.mark.parametrize("name", GPU_EXECUTORS)
+def test_stores_of_the_same_rows_queued_back_to_back_land_in_submission_order(name: str) -> None:
+    # each job's first batch writes the row the previous job's last batch writes
+    model = _batched_model(name)
+    model.fill_random(np.random.default_rng(4))
+    source = model.snapshot()
+    first = _group_0((5, 9, 2, 30, 31, 7, 11, 12, 13), (4, 1, 9))
+    second = _group_0((20, 21, 22, 23, 24, 25, 14, 15, 16), (9, 1, 4))
+    jobs = [first, second] * 4
+    with model.executor as executor:
+        before = executor.host_tier.array.copy()
+        for j, moves in enumerate(jobs):  # no wait in between
+            executor.submit(bound_plan(j + 1, Direction.STORE, 3, moves))
+        results = executor.wait(list(range(1, len(jobs) + 1)))
+        assert all(result.success for result in results), [r.error for r in results]
+        expected = expected_host(model, before, source, second)
+        np.testing.assert_array_equal(executor.host_tier.array, expected)
+
+
+@pytest.mark.parametrize("name", GPU_EXECUTORS)
+def test_loads_into_the_same_blocks_queued_back_to_back_land_in_submission_order(
+    name: str,
+) -> None:
+    # each job's first batch writes the blocks the previous job's last batch writes
+    model = _batched_model(name)
+    rng = np.random.default_rng(5)
+    model.fill_random(rng)
+    first = _group_0((20, 21, 22, 23, 24, 25, 26, 27, 28), (4, 1, 9))
+    second = _group_0((26, 27, 28, 23, 24, 25, 20, 21, 22), (2, 3, 8))
+    jobs = [first, second] * 4
+    with model.executor as executor:
+        tier = executor.host_tier.array
+        tier[:] = rng.integers(0, 256, tier.shape, dtype=np.uint8)
+        host, before = tier.copy(), model.snapshot()
+        for j, moves in enumerate(jobs):  # no wait in between
+            executor.submit(bound_plan(j + 1, Direction.LOAD, 3, moves))
+        results = executor.wait(list(range(1, len(jobs) + 1)))
+        assert all(result.success for result in results), [r.error for r in results]
+        model.backend.sync()
+        expected = expected_gpu(model, before, host, second)
+        for got, want in zip(_flat(model.snapshot()), _flat(expected), strict=True):
+            np.testing.assert_array_equal(got, want)
