@@ -124,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    """Run the rounds; print one line per arm and the floor line; write JSON when asked."""
+    """Run the rounds; print one line per arm, then the target 3 and floor lines; write JSON when
+    asked."""
     args = _parser().parse_args()
     torch = cuda_torch("interference_rounds.py")
     if torch is None:
