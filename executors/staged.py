@@ -3,11 +3,11 @@
 A store gathers a batch's pages into staging with one kernel launch (the page addresses are
 computed on the GPU from a few lines of a slice table and the layout's ref table), then copies
 the staging to the tier in one DMA per contiguous range of rows; a load does the reverse. Each
-direction has two *lanes*, each a stream that owns one staging half: batch k runs its kernel and
-its DMA on lane k % 2, so stream order alone keeps a half from being reused too early, and the
-kernel of one batch overlaps the DMA of the previous one on the other lane. A batch costs two
-host calls (a launch and a DMA) and no event. A backend supplies its library's streams, memory
-and compiled kernel; the per-batch calls go through the CUDA driver.
+direction has two *lanes*, each a stream that owns one staging half, and its batches take them
+in turn (across jobs too), so stream order alone keeps a half from being reused too early, and
+the kernel of one batch overlaps the DMA of the previous one on the other lane. A batch costs
+two host calls (a launch and a DMA) and no event. A backend supplies its library's streams,
+memory and compiled kernel; a job's calls go to the CUDA driver from one compiled call.
 """
 
 from __future__ import annotations
@@ -69,12 +69,12 @@ the kernel on raw stream `stream` over the `count` slice lines at address `segme
 staging half `stage`, on `blocks` thread blocks."""
 
 NativeLaunch = tuple[int, int, int, int, int, bool, int]
-"""One job's staging-kernel launch for the compiled batch loop to make itself: the address of
+"""One job's staging-kernel launch for the compiled job code to make itself: the address of
 `cuLaunchKernel`, the kernel's `CUfunction`, threads per block, and the job's constant kernel
 parameters (ref table address, block ids address, to_stage, piece bytes)."""
 
 StageKernel = StageCopy | NativeLaunch
-"""What `StagedGpuExecutor._stage_kernel` returns: either form serves the batch loop."""
+"""What `StagedGpuExecutor._stage_kernel` returns: either form serves the compiled job code."""
 
 Dma = Callable[[int, int, int, int], None] | int
 """`(dst, src, nbytes, stream)` queues one copy between unified addresses (pinned host or
