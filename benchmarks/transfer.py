@@ -59,6 +59,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "torch-512MiB": ("torch", {"staging_bytes": 512 << 20}),
     "cupy-512MiB": ("cupy", {"staging_bytes": 512 << 20}),
     "cupy-512blocks": ("cupy", {"copy_blocks": 512}),
+    "torch-512blocks": ("torch", {"copy_blocks": 512}),
     "torch-16blocks": ("torch", {"copy_blocks": 16}),
     "cupy-16blocks": ("cupy", {"copy_blocks": 16}),
     "torch-urgent": ("torch", {"kernel_priority": -1}),
