@@ -375,6 +375,27 @@ def _bidirectional_ceiling(torch: Any, nbytes: int, seconds: float) -> float:
     return rates["store"]["gbps"] + rates["load"]["gbps"]
 
 
+def matmul_beside(
+    torch: Any, jobs: _Jobs, matmul: _Matmul
+) -> tuple[dict[str, dict[str, float]], float, _GpuSampler]:
+    """Run the matmul loop beside back-to-back jobs (two in flight per direction); return the
+    jobs' rates while it ran (`_drive`), its seconds per matmul, and the GPU's samples."""
+    started = False
+
+    def stop() -> bool:
+        nonlocal started
+        if not started:  # the first jobs of each direction are queued: start the loop
+            matmul.start()
+            started = True
+        return matmul.done()
+
+    with _GpuSampler(torch.cuda.current_device()) as sampled:
+        rates = _drive(jobs, stop, depth=2, extend=False)
+        seconds = matmul.seconds_per_matmul()
+    torch.cuda.synchronize()
+    return rates, seconds, sampled
+
+
 def _measure_variant(
     torch: Any,
     jobs: _Jobs,
@@ -396,19 +417,7 @@ def _measure_variant(
     device = torch.cuda.current_device()
     with _GpuSampler(device) as sampled_alone:
         alone = matmul.alone()
-    matmul_started = False
-
-    def stop() -> bool:
-        nonlocal matmul_started
-        if not matmul_started:  # the first jobs of each direction are queued: start the loop
-            matmul.start()
-            matmul_started = True
-        return matmul.done()
-
-    with _GpuSampler(device) as sampled_with:
-        together = _drive(jobs, stop, depth=2, extend=False)
-        with_transfers = matmul.seconds_per_matmul()
-    torch.cuda.synchronize()
+    together, with_transfers, sampled_with = matmul_beside(torch, jobs, matmul)
 
     def combined(rates: dict[str, dict[str, float]]) -> float:
         return (rates["store"]["gbps"] + rates["load"]["gbps"]) / bidir

@@ -47,6 +47,7 @@ from interference import (
     _Matmul,
     _warm_up,
     add_job_and_matmul_options,
+    matmul_beside,
 )
 from transfer import KIB, bench_kv_caches, cuda_torch, write_json
 
@@ -94,19 +95,7 @@ def _arm_round(
         return {"matmul_ms": seconds * 1e3, "combined": float("nan"), "gpu": sampled.result}
     until = time.perf_counter() + settle
     _drive(jobs, lambda: time.perf_counter() > until, depth=2, extend=False)
-    started = False
-
-    def stop() -> bool:
-        nonlocal started
-        if not started:
-            matmul.start()
-            started = True
-        return matmul.done()
-
-    with _GpuSampler(device) as sampled:
-        rates = _drive(jobs, stop, depth=2, extend=False)
-        seconds = matmul.seconds_per_matmul()
-    torch.cuda.synchronize()
+    rates, seconds, sampled = matmul_beside(torch, jobs, matmul)
     combined = (rates["store"]["gbps"] + rates["load"]["gbps"]) / bidir
     return {"matmul_ms": seconds * 1e3, "combined": combined, "gpu": sampled.result}
 
