@@ -60,8 +60,12 @@ STAGE_COPY_ARGUMENTS = (
 TABLE_COPY_ARGUMENTS = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_longlong)
 """The same for `kernels.TABLE_COPY_SOURCE` (source, destination, int64 count)."""
 
-DEFAULT_COPY_BLOCKS = 128
-"""Thread blocks of a staging kernel launch: enough for HBM speed, far fewer than a full GPU."""
+DEFAULT_COPY_BLOCKS = 512
+"""Thread blocks of a staging kernel launch at most (about four per SM of an H200). Alone, 128
+reach HBM speed already; beside a model whose kernels hold every SM's registers, a staging
+kernel runs only in the gaps between them, and more blocks move more bytes per gap: on the
+device H200, 512 blocks slowed a matmul by +3.7..4.1 % where 128 slowed it by +6.3 %, the same
+as the least any staged path costs there (docs/benchmarks.md, seventh session)."""
 
 StageCopy = Callable[[int, int, int, int, int], None]
 """One job's staging-kernel launch as a callable: `(stream, segments, count, stage, blocks)` runs
