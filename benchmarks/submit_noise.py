@@ -10,7 +10,14 @@ ids, catalog rows; one `wait()` after each) and prints, over the submits after t
 the machine's CPU time the hypervisor reported as stolen meanwhile. It does so in a fresh
 process, then again after a short sweep of stores and loads at other page sizes.
 
+To tell how fast the host itself runs at the time, each submit is followed (while its job is
+on the GPU) by a fixed *reference* piece of host work like `submit()`'s own Python (a short
+Python loop and a few numpy calls on 2048 integers); the line gives the reference's CPU time
+and each submit's CPU time in references. `--reference-only` times the reference alone, with
+no GPU, so a development machine's figure can be set beside the device's.
+
     python3 benchmarks/submit_noise.py --variants torch,cupy
+    python3 benchmarks/submit_noise.py --reference-only
 """
 
 from __future__ import annotations
@@ -37,10 +44,27 @@ def _steal() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
-def _percentiles(values: list[float]) -> str:
+def _percentiles(values: list[float], scale: float = 1e6, digits: int = 0) -> str:
+    """Return the 10th, 50th and 90th percentiles of `values` times `scale`, joined by '/'."""
     ordered = sorted(values)
     picks = (ordered[min(len(ordered) - 1, int(p * len(ordered)))] for p in (0.1, 0.5, 0.9))
-    return "/".join(f"{v * 1e6:.0f}" for v in picks)
+    return "/".join(f"{v * scale:.{digits}f}" for v in picks)
+
+
+_REFERENCE_VALUES = np.arange(BLOCKS, dtype=np.int64)
+
+
+def _reference() -> float:
+    """Run the fixed reference work once; return the thread's CPU seconds it took."""
+    start = time.thread_time()
+    values = _REFERENCE_VALUES
+    total = 0
+    for step in range(200):
+        total += step
+    int(values.max())
+    np.ascontiguousarray(values, np.int64)
+    bool((values[1:] > values[:-1]).all())
+    return time.thread_time() - start
 
 
 def noise(torch: Any, variant: str, page: int, jobs: int) -> str:
@@ -52,6 +76,7 @@ def noise(torch: Any, variant: str, page: int, jobs: int) -> str:
     rows = catalog_rows(moved)
     wall: list[float] = []
     cpu: list[float] = []
+    reference: list[float] = []
     voluntary = involuntary = 0
     steal_before = _steal()
     try:
@@ -62,10 +87,12 @@ def noise(torch: Any, variant: str, page: int, jobs: int) -> str:
             executor.submit(bound)
             end, cpu_end = time.perf_counter(), time.thread_time()
             after = resource.getrusage(resource.RUSAGE_THREAD)
+            spent = _reference()
             executor.wait([job])
             if job >= 2:
                 wall.append(end - start)
                 cpu.append(cpu_end - cpu_start)
+                reference.append(spent)
                 voluntary += after.ru_nvcsw - usage.ru_nvcsw
                 involuntary += after.ru_nivcsw - usage.ru_nivcsw
     finally:
@@ -76,7 +103,9 @@ def noise(torch: Any, variant: str, page: int, jobs: int) -> str:
     steal = (steal_after[0] - steal_before[0]) / max(1, steal_after[1] - steal_before[1])
     return (
         f"{variant} {page >> 10:>2} KiB wall p10/50/90 {_percentiles(wall)}  cpu "
-        f"{_percentiles(cpu)} us  ctxsw vol {voluntary} invol {involuntary}  steal {steal:.1%}"
+        f"{_percentiles(cpu)} us  ctxsw vol {voluntary} invol {involuntary}  steal {steal:.1%}  "
+        f"reference {_percentiles(reference, digits=1)} us, submit in references "
+        f"{_percentiles([c / r for c, r in zip(cpu, reference, strict=True)], 1, 1)}"
     )
 
 
@@ -106,7 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="torch,cupy")
     parser.add_argument("--pages-kib", default="4,16")
     parser.add_argument("--jobs", type=int, default=40)
+    parser.add_argument(
+        "--reference-only", action="store_true", help="time the reference work alone (no GPU)"
+    )
     args = parser.parse_args(argv)
+    if args.reference_only:
+        for _ in range(100):  # warm
+            _reference()
+        times = [_reference() for _ in range(2000)]
+        print(f"reference p10/50/90 {_percentiles(times, digits=1)} us")
+        return 0
     torch = cuda_torch("submit_noise.py")
     if torch is None:
         return 0
