@@ -10,11 +10,13 @@ ids, catalog rows; one `wait()` after each) and prints, over the submits after t
 the machine's CPU time the hypervisor reported as stolen meanwhile. It does so in a fresh
 process, then again after a short sweep of stores and loads at other page sizes.
 
-To tell how fast the host itself runs at the time, each submit is followed (while its job is
-on the GPU) by a fixed *reference* piece of host work like `submit()`'s own Python (a short
-Python loop and a few numpy calls on 2048 integers); the line gives the reference's CPU time
-and each submit's CPU time in references. `--reference-only` times the reference alone, with
-no GPU, so a development machine's figure can be set beside the device's.
+To tell the host's own state from the code's, every other load is not timed: right after the
+`wait()` before it, a fixed *reference* piece of host work like `submit()`'s own Python (a
+short Python loop and a few numpy calls on 2048 integers) is timed, and then timed again at
+once. The first shows what work costs right after a `wait()` on that host, the second what it
+costs with its code and data in the CPU caches. `--reference-only` times the reference with no
+GPU, warm and after a 64 MiB sweep has pushed it out of the caches, so a development machine's
+figures can be set beside the device's.
 
     python3 benchmarks/submit_noise.py --variants torch,cupy
     python3 benchmarks/submit_noise.py --reference-only
@@ -52,6 +54,8 @@ def _percentiles(values: list[float], scale: float = 1e6, digits: int = 0) -> st
 
 
 _REFERENCE_VALUES = np.arange(BLOCKS, dtype=np.int64)
+_SWEEP = np.ones(64 << 17)
+"""64 MiB: sweeping it evicts the reference's code and data from the CPU caches."""
 
 
 def _reference() -> float:
@@ -68,7 +72,10 @@ def _reference() -> float:
 
 
 def noise(torch: Any, variant: str, page: int, jobs: int) -> str:
-    """Return one line: wall and CPU percentiles, context switches and steal over `jobs` loads."""
+    """Return one line: over `jobs` timed loads, each submitted right after a `wait()`, the
+    percentiles of the wall clock and CPU time inside `submit()`, context switches and steal;
+    over as many loads between them, the reference work's CPU time right after a `wait()`
+    and again at once."""
     name, options = VARIANTS[variant]
     moved, num_blocks, kv = bench_kv_caches(torch, 32, page, BLOCKS * 32 * page)
     executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
@@ -76,23 +83,28 @@ def noise(torch: Any, variant: str, page: int, jobs: int) -> str:
     rows = catalog_rows(moved)
     wall: list[float] = []
     cpu: list[float] = []
-    reference: list[float] = []
+    after_wait: list[float] = []
+    again: list[float] = []
     voluntary = involuntary = 0
     steal_before = _steal()
     try:
-        for job in range(jobs + 2):
+        for job in range(2 * jobs + 2):
             bound = _bound(job, Direction.LOAD, rng.choice(num_blocks, moved, False), rows)
+            if job % 2:  # the host's state right after a wait(), then warm
+                after_wait.append(_reference())
+                again.append(_reference())
+                executor.submit(bound)
+                executor.wait([job])
+                continue
             usage = resource.getrusage(resource.RUSAGE_THREAD)
             cpu_start, start = time.thread_time(), time.perf_counter()
             executor.submit(bound)
             end, cpu_end = time.perf_counter(), time.thread_time()
             after = resource.getrusage(resource.RUSAGE_THREAD)
-            spent = _reference()
             executor.wait([job])
             if job >= 2:
                 wall.append(end - start)
                 cpu.append(cpu_end - cpu_start)
-                reference.append(spent)
                 voluntary += after.ru_nvcsw - usage.ru_nvcsw
                 involuntary += after.ru_nivcsw - usage.ru_nivcsw
     finally:
@@ -104,8 +116,8 @@ def noise(torch: Any, variant: str, page: int, jobs: int) -> str:
     return (
         f"{variant} {page >> 10:>2} KiB wall p10/50/90 {_percentiles(wall)}  cpu "
         f"{_percentiles(cpu)} us  ctxsw vol {voluntary} invol {involuntary}  steal {steal:.1%}  "
-        f"reference {_percentiles(reference, digits=1)} us, submit in references "
-        f"{_percentiles([c / r for c, r in zip(cpu, reference, strict=True)], 1, 1)}"
+        f"reference after wait() {_percentiles(after_wait[1:], digits=1)}, "
+        f"again {_percentiles(again[1:], digits=1)} us"
     )
 
 
@@ -140,10 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.reference_only:
-        for _ in range(100):  # warm
-            _reference()
-        times = [_reference() for _ in range(2000)]
-        print(f"reference p10/50/90 {_percentiles(times, digits=1)} us")
+        warm, cold = [], []
+        for _ in range(300):
+            _SWEEP.sum()
+            cold.append(_reference())
+            warm.append(_reference())
+        print(
+            f"reference after a cache sweep p10/50/90 {_percentiles(cold[20:], digits=1)}, "
+            f"again {_percentiles(warm[20:], digits=1)} us"
+        )
         return 0
     torch = cuda_torch("submit_noise.py")
     if torch is None:
