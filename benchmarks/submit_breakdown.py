@@ -9,9 +9,13 @@ with `--bursts`), with each step of the staged path timed on the host: checking 
 planning, writing the table slot, taking the job's events, asking for the compute stream, and
 the job's driver calls (its event records and waits, the table upload, every kernel launch and
 every DMA: one compiled call). Medians over the jobs after two warm-ups; the steps do not add
-up to the whole (the loop around them, and the timing itself, about 1 µs a step).
+up to the whole (the loop around them, and the timing itself, about 1 µs a step). With
+`--sweep-mib`, a line per size also sweeps that many MiB of host memory before each submit,
+which pushes the submit's code and data out of the CPU caches: how much of its cost is the
+caches' state.
 
     python3 benchmarks/submit_breakdown.py --variants torch,cupy --bursts 1,4
+    python3 benchmarks/submit_breakdown.py --variants torch --sweep-mib 0,64
 """
 
 from __future__ import annotations
@@ -52,14 +56,18 @@ def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> 
     return timed
 
 
-def breakdown(torch: Any, variant: str, page: int, jobs: int, burst: int = 1) -> dict[str, float]:
+def breakdown(
+    torch: Any, variant: str, page: int, jobs: int, *, burst: int = 1, sweep_mib: int = 0
+) -> dict[str, float]:
     """Return the median seconds of `submit()` ("submit") and of each step, over `jobs` loads.
 
     `burst` 1 submits each load right after `wait()` on the previous one, as `transfer.py`
     measures target 4; a larger `burst` submits that many back to back and then waits for them
     all, and samples only the 2nd and later of each burst: submits while the GPU is busy with
-    the ones before, as an engine's scheduler would make them.
+    the ones before, as an engine's scheduler would make them. `sweep_mib` MiB of host memory
+    are read before each submit (none when 0).
     """
+    sweep = np.ones(sweep_mib << 17) if sweep_mib else None
     spent: dict[str, float] = defaultdict(float)
     check_bound, queue_job = executor_base.check_bound, _native.queue_job
     executor_base.check_bound = _timed(spent, "check", check_bound)
@@ -80,6 +88,8 @@ def breakdown(torch: Any, variant: str, page: int, jobs: int, burst: int = 1) ->
             first = job
             for _ in range(burst):
                 bound = _bound(job, Direction.LOAD, rng.choice(num_blocks, moved, False), rows)
+                if sweep is not None:
+                    sweep.sum()
                 spent.clear()
                 start = time.perf_counter()
                 executor.submit(bound)
@@ -107,16 +117,26 @@ def main(argv: list[str] | None = None) -> int:
         default="1",
         help="loads submitted back to back before waiting, one line each (1: after each wait)",
     )
+    parser.add_argument(
+        "--sweep-mib",
+        default="0",
+        help="MiB of host memory read before each submit, one line each (0: none)",
+    )
     args = parser.parse_args(argv)
     torch = cuda_torch("submit_breakdown.py")
     if torch is None:
         return 0
     print(f"{BLOCKS}-block x 32-layer loads, median us per submit and per step")
-    for burst in (int(b) for b in args.bursts.split(",")):
+    cases = [(int(b), int(m)) for b in args.bursts.split(",") for m in args.sweep_mib.split(",")]
+    for burst, sweep_mib in cases:
         pattern = "after wait()" if burst == 1 else f"back to back, bursts of {burst}"
+        if sweep_mib:
+            pattern += f" and a {sweep_mib} MiB sweep"
         for variant in args.variants.split(","):
             for page_kib in (int(p) for p in args.pages_kib.split(",")):
-                times = breakdown(torch, variant, page_kib * KIB, args.jobs, burst)
+                times = breakdown(
+                    torch, variant, page_kib * KIB, args.jobs, burst=burst, sweep_mib=sweep_mib
+                )
                 steps = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in times.items() if k != "submit")
                 print(
                     f"{variant} {page_kib} KiB, {pattern}: submit {times['submit'] * 1e6:.0f} | "
