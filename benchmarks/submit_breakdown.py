@@ -32,14 +32,13 @@ from typing import Any
 import numpy as np
 from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows, cuda_torch
 
-import kvferry.executors.base as executor_base
 from kvferry.core.plan import Direction
 from kvferry.executors import _native, make_executor
 
 BLOCKS = 2048
-STEPS = ("_table_slot", "_new_job", "_compute_stream_now")
-"""The staged executor's steps timed on the instance (plus `check_bound`, the planner and the
-compiled job calls)."""
+STEPS = ("_checked_bytes", "_table_slot", "_new_job", "_compute_stream_now")
+"""The staged executor's steps timed on the instance (plus the planner and the compiled job
+calls)."""
 
 
 def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,8 +68,7 @@ def breakdown(
     """
     sweep = np.ones(sweep_mib << 17) if sweep_mib else None
     spent: dict[str, float] = defaultdict(float)
-    check_bound, queue_job = executor_base.check_bound, _native.queue_job
-    executor_base.check_bound = _timed(spent, "check", check_bound)
+    queue_job = _native.queue_job
     _native.queue_job = _timed(spent, "job calls", queue_job)  # type: ignore[assignment]
     name, options = VARIANTS[variant]
     moved, num_blocks, kv = bench_kv_caches(torch, 32, page, BLOCKS * 32 * page)
@@ -99,11 +97,11 @@ def breakdown(
                 job += 1
             executor.wait(range(first, job))
     finally:
-        executor_base.check_bound, _native.queue_job = check_bound, queue_job
+        _native.queue_job = queue_job
         executor.close()
         del kv
         torch.cuda.empty_cache()
-    keys = ["submit", "check", "plan", *(step.strip("_") for step in STEPS), "job calls"]
+    keys = ["submit", "plan", *(step.strip("_") for step in STEPS), "job calls"]
     return {key: statistics.median(s.get(key, 0.0) for s in samples) for key in keys}
 
 

@@ -1,6 +1,7 @@
-/* The staged path's per-job work, compiled: batch slicing, run copies, and a job's driver calls.
+/* Per-job host work, compiled: a bound plan's checks, batch slicing, run copies, a job's driver
+ * calls.
  *
- * `kvferry.executors.staging` and `kvferry.executors.staged` call these on every submit(): in
+ * `kvferry.executors.base`, `.staging` and `.staged` call these on every submit(): in
  * Python they were most of a 2048-block load's host time (docs/benchmarks.md). Each function
  * here is specified by its caller's docstring and tested through it; none keeps state.
  *
@@ -249,6 +250,102 @@ static PyObject *consecutive(PyObject *self, PyObject *arg) {
     for (Py_ssize_t i = 1; i < n && ok; i++) ok = r[i] == r[i - 1] + 1;
     PyBuffer_Release(&rows);
     return PyBool_FromLong(ok);
+}
+
+/* An int64 C-contiguous view of `obj` into `view`: 1 on success, 0 when `obj` is not one
+ * (no exception left set), -1 on another error. */
+static int int64_view(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
+        PyErr_Clear(); /* no buffer at all */
+        return 0;
+    }
+    const char *format = view->format ? view->format : "B";
+    if (format[0] == '<' || format[0] == '=' || format[0] == '@') format++;
+    if (!PyBuffer_IsContiguous(view, 'C') || view->itemsize != (Py_ssize_t)sizeof(int64_t) ||
+        (format[0] != 'q' && format[0] != 'l') || format[1] != '\0') {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+static int64_t most(const int64_t *values, Py_ssize_t n) {
+    int64_t m = values[0];
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (values[i] > m) m = values[i];
+    return m;
+}
+
+/* bound_bytes(ids, rows, group_sizes, block_indices, plan_f, f, num_blocks, copy_bytes,
+ *             num_rows, store) -> int
+ * The bytes a bound plan moves when every check of core.expand.check_bound certainly passes
+ * (the same rule, in one pass); -1 when one fails or this cannot tell (ids or rows that are
+ * not int64 and contiguous, or a store whose rows do not increase), and the caller then runs
+ * check_bound itself, which raises its error or returns the bytes. `num_blocks` and
+ * `copy_bytes` are the layout's per group, `num_rows` the tier's (negative: unchecked). */
+static PyObject *bound_bytes(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ids_in, *rows_in, *sizes_in, *firsts_in, *blocks_in, *bytes_in;
+    long long plan_f, f, num_rows;
+    int store;
+    if (!PyArg_ParseTuple(args, "OOOOLLOOLp", &ids_in, &rows_in, &sizes_in, &firsts_in,
+                          &plan_f, &f, &blocks_in, &bytes_in, &num_rows, &store))
+        return NULL;
+    Py_buffer ids_view, rows_view;
+    int have_ids = int64_view(ids_in, &ids_view);
+    if (have_ids < 0) return NULL;
+    int have_rows = have_ids ? int64_view(rows_in, &rows_view) : 0;
+    if (have_rows < 0) {
+        PyBuffer_Release(&ids_view);
+        return NULL;
+    }
+    Py_ssize_t n_groups = 0, n_firsts = 0, n_blocks = 0, n_bytes = 0;
+    int64_t *sizes = NULL, *firsts = NULL, *blocks = NULL, *bytes = NULL;
+    int64_t total = -1;
+    PyObject *result = NULL;
+    if (!have_rows) goto answer; /* not int64 views: check_bound decides */
+    if (!(sizes = read_ints(sizes_in, &n_groups, "group_sizes must be a sequence")) ||
+        !(firsts = read_ints(firsts_in, &n_firsts, "block_indices must be a sequence")) ||
+        !(blocks = read_ints(blocks_in, &n_blocks, "num_blocks must be a sequence")) ||
+        !(bytes = read_ints(bytes_in, &n_bytes, "copy_bytes must be a sequence")))
+        goto done;
+    if (plan_f != f || f < 1 || n_groups != n_blocks || n_firsts != n_groups ||
+        n_bytes != n_groups)
+        goto answer;
+    const int64_t *ids = ids_view.buf, *rows = rows_view.buf;
+    Py_ssize_t n_ids = ids_view.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t n_rows_all = rows_view.len / (Py_ssize_t)sizeof(int64_t);
+    int64_t id_start = 0, key_start = 0, sum = 0;
+    for (Py_ssize_t g = 0; g < n_groups; g++) {
+        int64_t n = sizes[g], skip = ((firsts[g] % f) + f) % f; /* Python's % */
+        if (n < 0) goto answer;
+        int64_t n_rows = n ? (n + skip + f - 1) / f : 0;
+        if (id_start + n > n_ids || key_start + n_rows > n_rows_all) goto answer;
+        if (n) {
+            if (most(ids + id_start, (Py_ssize_t)n) >= blocks[g]) goto answer;
+            if (num_rows >= 0 && most(rows + key_start, (Py_ssize_t)n_rows) >= num_rows)
+                goto answer;
+        }
+        sum += n * bytes[g];
+        id_start += n;
+        key_start += n_rows;
+    }
+    if (id_start != n_ids || key_start != n_rows_all) goto answer;
+    if (store)
+        for (Py_ssize_t i = 1; i < n_rows_all; i++)
+            if (rows[i] <= rows[i - 1]) goto answer;
+    total = sum;
+answer:
+    result = PyLong_FromLongLong(total);
+done:
+    PyMem_Free(sizes);
+    PyMem_Free(firsts);
+    PyMem_Free(blocks);
+    PyMem_Free(bytes);
+    if (have_rows) PyBuffer_Release(&rows_view);
+    if (have_ids) PyBuffer_Release(&ids_view);
+    return result;
 }
 
 /* The CUDA driver calls a job makes, as libcuda exports them. */
@@ -574,6 +671,7 @@ static PyMethodDef methods[] = {
     {"slice_batches", slice_batches, METH_VARARGS, "Cut a job's keys into staging batches."},
     {"run_copies", run_copies, METH_VARARGS, "Link copies of a job on one run of rows."},
     {"consecutive", consecutive, METH_O, "Whether int64 rows count up by one."},
+    {"bound_bytes", bound_bytes, METH_VARARGS, "The bytes of a bound plan that fits, else -1."},
     {"begin_job", begin_job, METH_VARARGS, "Queue a job's first event records and waits."},
     {"end_job", end_job, METH_VARARGS, "Queue a job's last event records and waits."},
     {"queue_job", queue_job, METH_VARARGS, "Queue a whole staged job."},

@@ -19,6 +19,19 @@ def run_copies(
     /,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]: ...
 def consecutive(rows: IdArray, /) -> bool: ...
+def bound_bytes(
+    ids: IdArray,
+    rows: IdArray,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    plan_f: int,
+    f: int,
+    num_blocks: Sequence[int],
+    copy_bytes: Sequence[int],
+    num_rows: int,
+    store: bool,
+    /,
+) -> int: ...
 def begin_job(
     driver: tuple[Any, Any, Any],
     lanes: tuple[int, int],
