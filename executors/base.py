@@ -176,7 +176,8 @@ class Executor(abc.ABC):
         wrong. Right after a `wait()` a submit's code and data are partly out of the CPU caches,
         where each numpy call costs ten times what it does warm: `check_bound` took 11-46 us of
         a 2048-block load's submit on the device's host; with the caches swept on the
-        development machine, 58 us against 25-37 us for this (docs/benchmarks.md).
+        development machine, 46-50 us against 14-16 us for the compiled pass
+        (`benchmarks/host_steps.py`).
         """
         plan = bound.plan
         num_blocks, copy_bytes = self._group_limits
