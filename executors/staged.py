@@ -64,8 +64,8 @@ DEFAULT_COPY_BLOCKS = 512
 """Thread blocks of a staging kernel launch at most (about four per SM of an H200). Alone, 128
 reach HBM speed already; beside a model whose kernels hold every SM's registers, a staging
 kernel runs only in the gaps between them, and more blocks move more bytes per gap: on the
-device H200, 512 blocks slowed a matmul by +3.7..4.1 % where 128 slowed it by +6.3 %, the same
-as the least any staged path costs there (docs/benchmarks.md, seventh session)."""
+device H200, 512 blocks slowed a matmul by +3.7..4.8 % where 128 slowed it by +5.8..6.5 %, about
+what the least any staged path does costs there (docs/benchmarks.md, seventh session)."""
 
 StageCopy = Callable[[int, int, int, int, int], None]
 """One job's staging-kernel launch as a callable: `(stream, segments, count, stage, blocks)` runs
