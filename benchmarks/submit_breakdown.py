@@ -6,9 +6,11 @@ library; without a GPU it says so and exits 0.
 Per executor and page size it submits 2048-block x 32-layer loads (random block ids, catalog
 rows; one `wait()` after each, as `transfer.py` measures target 4, or back to back in bursts
 with `--bursts`), with each step of the staged path timed on the host: checking the plan,
-planning, writing the table slot, taking the job's events, asking for the compute stream, and
-the job's driver calls (its event records and waits, the table upload, every kernel launch and
-every DMA: one compiled call). Medians over the jobs after two warm-ups; the steps do not add
+taking a free table slot, taking the job's events, asking for the compute stream, and the
+compiled call that plans the job, writes its tables and makes its driver calls (its event
+records and waits, the table upload, every kernel launch and every DMA: `_native.stage_job`);
+for a job that call does not cover, the planner, the slot write and the job's driver calls
+(`_native.queue_job`) instead. Medians over the jobs after two warm-ups; the steps do not add
 up to the whole (the loop around them, and the timing itself, about 1 µs a step). With
 `--sweep-mib`, a line per size also sweeps that many MiB of host memory before each submit,
 which pushes the submit's code and data out of the CPU caches: how much of its cost is the
@@ -36,9 +38,11 @@ from kvferry.core.plan import Direction
 from kvferry.executors import _native, make_executor
 
 BLOCKS = 2048
-STEPS = ("_checked_bytes", "_table_slot", "_new_job", "_compute_stream_now")
-"""The staged executor's steps timed on the instance (plus the planner and the compiled job
+STEPS = ("_checked_bytes", "_free_slot", "_new_job", "_compute_stream_now", "_write_tables")
+"""The staged executor's steps timed on the instance (plus the planner and the compiled
 calls)."""
+COMPILED = {"stage_job": "stage_job (plan + tables + driver calls)", "queue_job": "job calls"}
+"""The compiled calls timed, by their name in `_native` and in the output."""
 
 
 def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
@@ -68,8 +72,9 @@ def breakdown(
     """
     sweep = np.ones(sweep_mib << 17) if sweep_mib else None
     spent: dict[str, float] = defaultdict(float)
-    queue_job = _native.queue_job
-    _native.queue_job = _timed(spent, "job calls", queue_job)  # type: ignore[assignment]
+    compiled = {name: getattr(_native, name) for name in COMPILED}
+    for name, function in compiled.items():
+        setattr(_native, name, _timed(spent, COMPILED[name], function))
     name, options = VARIANTS[variant]
     moved, num_blocks, kv = bench_kv_caches(torch, 32, page, BLOCKS * 32 * page)
     executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
@@ -97,11 +102,12 @@ def breakdown(
                 job += 1
             executor.wait(range(first, job))
     finally:
-        _native.queue_job = queue_job
+        for name, function in compiled.items():
+            setattr(_native, name, function)
         executor.close()
         del kv
         torch.cuda.empty_cache()
-    keys = ["submit", "plan", *(step.strip("_") for step in STEPS), "job calls"]
+    keys = ["submit", *(step.strip("_") for step in STEPS), *COMPILED.values(), "plan"]
     return {key: statistics.median(s.get(key, 0.0) for s in samples) for key in keys}
 
 

@@ -1,5 +1,5 @@
 /* Per-job host work, compiled: a bound plan's checks, batch slicing, run copies, a job's driver
- * calls.
+ * calls, and all of these but the check in one call for the common staged job (stage_job).
  *
  * `kvferry.executors.base`, `.staging` and `.staged` call these on every submit(): in
  * Python they were most of a 2048-block load's host time (docs/benchmarks.md). Each function
@@ -83,12 +83,62 @@ static int64_t *read_ints(PyObject *sequence, Py_ssize_t *n, const char *what) {
     return out;
 }
 
+/* Cut `n_groups` groups (G_WIDTH fields each) into staging batches, appending to the columns:
+ * `table` the job's slice table (SLICE_WIDTH per line), `lines` its slices (LINE_WIDTH per slice:
+ * batch, group, first key, keys, stage offset), `bounds` the batches' first slices (and the end),
+ * the rest one value per batch. StagePlanner.plan states the rule. 0, or -1 with an exception. */
+static int slice_into(const int64_t (*g)[G_WIDTH], Py_ssize_t n_groups, int small_first,
+                      int64_t capacity, int64_t ramp, int64_t f, Column *table, Column *lines,
+                      Column *bounds, Column *stage_bytes, Column *items, Column *nbytes) {
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n_groups; i++) total += g[i][G_KEYS] * g[i][G_SIZE];
+    if (push(bounds, 0)) return -1;
+    Py_ssize_t gi = 0;
+    int64_t taken = 0, batched = 0;
+    while (gi < n_groups) {
+        int64_t left = total - batched;
+        int64_t limit = small_first && batched == 0 ? ramp : capacity;
+        if (!small_first && ramp < left && left <= capacity + ramp && left - ramp < limit)
+            limit = left - ramp; /* leave a small last batch */
+        int64_t used = 0, batch = stage_bytes->len, batch_items = 0, batch_bytes = 0;
+        while (gi < n_groups) {
+            const int64_t *group = g[gi];
+            int64_t keys = group[G_KEYS], size = group[G_SIZE];
+            int64_t room = limit > used ? (limit - used) / size : 0;
+            int64_t count = room < keys - taken ? room : keys - taken;
+            if (count == 0 && used) break;
+            if (count == 0) count = 1; /* a row larger than the ramp still moves, alone */
+            /* the slice's line of the table: positions start .. end - 1 of the group's rows */
+            int64_t skip = group[G_SKIP];
+            int64_t start = taken * f, end = (taken + count) * f, stop = skip + group[G_N];
+            int64_t lo = start > skip ? start : skip;
+            int64_t pages = (end < stop ? end : stop) - lo;
+            if (push(lines, batch) || push(lines, gi) || push(lines, taken) ||
+                push(lines, count) || push(lines, used) || push(table, group[G_FIRST_REF]) ||
+                push(table, group[G_REFS]) || push(table, used) ||
+                push(table, group[G_ID0] + lo - skip) || push(table, lo - start) ||
+                push(table, pages) || push(table, batch_items))
+                return -1;
+            batch_items += pages * group[G_PAGE_PIECES];
+            batch_bytes += pages * group[G_PAGE_BYTES];
+            used += count * size;
+            taken += count;
+            if (taken < keys) break; /* the batch is full: not even one more of these keys fits */
+            gi++;
+            taken = 0;
+        }
+        if (push(bounds, lines->len / LINE_WIDTH) || push(stage_bytes, used) ||
+            push(items, batch_items) || push(nbytes, batch_bytes))
+            return -1;
+        batched += used;
+    }
+    return 0;
+}
+
 /* slice_batches(groups, small_first, capacity, ramp, f)
  *   -> (table, lines, bounds, stage_bytes, items, nbytes)
- * `groups`: one tuple per group the plan moves, its first G_WIDTH fields ints. `table` is the
- * job's slice table (bytes of int64, SLICE_WIDTH per line), `lines` its slices (bytes,
- * LINE_WIDTH per slice: batch, group, first key, keys, stage offset), `bounds` the batches'
- * first slices (and the end), the rest one int per batch. StagePlanner.plan states the rule. */
+ * `groups`: one tuple per group the plan moves, its first G_WIDTH fields ints. The columns of
+ * slice_into: the two tables as bytes of int64, the rest as tuples. */
 static PyObject *slice_batches(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *groups_in;
@@ -119,48 +169,9 @@ static PyObject *slice_batches(PyObject *self, PyObject *args) {
         memcpy(g[i], fields, sizeof(g[i]));
         PyMem_Free(fields);
     }
-    int64_t total = 0;
-    for (Py_ssize_t i = 0; i < n_groups; i++) total += g[i][G_KEYS] * g[i][G_SIZE];
-    if (push(&bounds, 0)) goto done;
-    Py_ssize_t gi = 0;
-    int64_t taken = 0, batched = 0;
-    while (gi < n_groups) {
-        int64_t left = total - batched;
-        int64_t limit = small_first && batched == 0 ? ramp : capacity;
-        if (!small_first && ramp < left && left <= capacity + ramp && left - ramp < limit)
-            limit = left - ramp; /* leave a small last batch */
-        int64_t used = 0, batch = stage_bytes.len, batch_items = 0, batch_bytes = 0;
-        while (gi < n_groups) {
-            const int64_t *group = g[gi];
-            int64_t keys = group[G_KEYS], size = group[G_SIZE];
-            int64_t room = limit > used ? (limit - used) / size : 0;
-            int64_t count = room < keys - taken ? room : keys - taken;
-            if (count == 0 && used) break;
-            if (count == 0) count = 1; /* a row larger than the ramp still moves, alone */
-            /* the slice's line of the table: positions start .. end - 1 of the group's rows */
-            int64_t skip = group[G_SKIP];
-            int64_t start = taken * f, end = (taken + count) * f, stop = skip + group[G_N];
-            int64_t lo = start > skip ? start : skip;
-            int64_t pages = (end < stop ? end : stop) - lo;
-            if (push(&lines, batch) || push(&lines, gi) || push(&lines, taken) ||
-                push(&lines, count) || push(&lines, used) || push(&table, group[G_FIRST_REF]) ||
-                push(&table, group[G_REFS]) || push(&table, used) ||
-                push(&table, group[G_ID0] + lo - skip) || push(&table, lo - start) ||
-                push(&table, pages) || push(&table, batch_items))
-                goto done;
-            batch_items += pages * group[G_PAGE_PIECES];
-            batch_bytes += pages * group[G_PAGE_BYTES];
-            used += count * size;
-            taken += count;
-            if (taken < keys) break; /* the batch is full: not even one more of these keys fits */
-            gi++;
-            taken = 0;
-        }
-        if (push(&bounds, lines.len / LINE_WIDTH) || push(&stage_bytes, used) ||
-            push(&items, batch_items) || push(&nbytes, batch_bytes))
-            goto done;
-        batched += used;
-    }
+    if (slice_into((const int64_t(*)[G_WIDTH])g, n_groups, small_first, capacity, ramp, f,
+                   &table, &lines, &bounds, &stage_bytes, &items, &nbytes))
+        goto done;
     result = Py_BuildValue("(NNNNNN)", as_bytes(&table), as_bytes(&lines),
                            as_tuple(bounds.data, bounds.len),
                            as_tuple(stage_bytes.data, stage_bytes.len),
@@ -177,11 +188,37 @@ done:
     return result;
 }
 
+/* Append the link copies of a job whose rows are one consecutive run from `first_row` and whose
+ * chunks fill their rows to `stage`, `tier` and `size`: one copy per slice (`n_lines` slices as
+ * slice_into lists them), cut at multiples of `per_piece` rows (0: never); `bounds` (batches + 1,
+ * zeroed) gets each batch's end. 0, or -1 with an exception. */
+static int run_into(const int64_t *line, Py_ssize_t n_lines, const int64_t *key0,
+                    Py_ssize_t n_groups, Py_ssize_t batches, int64_t first_row, int64_t row_bytes,
+                    int64_t per_piece, Column *stage, Column *tier, Column *size,
+                    int64_t *bounds) {
+    for (Py_ssize_t i = 0; i < n_lines; i++, line += LINE_WIDTH) {
+        int64_t b = line[0], gi = line[1], first = line[2], keys = line[3], at = line[4];
+        if (b < 0 || b >= batches || gi < 0 || gi >= n_groups) {
+            PyErr_SetString(PyExc_ValueError, "a slice names a batch or group out of range");
+            return -1;
+        }
+        int64_t start = first_row + key0[gi] + first, row = start, end = start + keys;
+        while (row < end) {
+            int64_t stop = per_piece ? (row / per_piece + 1) * per_piece : end;
+            if (stop > end) stop = end;
+            if (push(stage, at + (row - start) * row_bytes) || push(tier, row * row_bytes) ||
+                push(size, (stop - row) * row_bytes))
+                return -1;
+            row = stop;
+        }
+        bounds[b + 1] = size->len;
+    }
+    return 0;
+}
+
 /* run_copies(lines, key0, batches, first_row, row_bytes, per_piece, store)
  *   -> (src, dst, size, bounds)
- * The link copies of a job whose rows are one consecutive run from `first_row` and whose
- * chunks fill their rows: one copy per slice (`lines` as slice_batches returns them), cut at
- * multiples of `per_piece` rows (0: never). */
+ * run_into's copies as tuples, from `lines` as slice_batches returns them. */
 static PyObject *run_copies(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer lines;
@@ -201,25 +238,10 @@ static PyObject *run_copies(PyObject *self, PyObject *args) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
-    const int64_t *line = lines.buf;
     Py_ssize_t n_lines = lines.len / (Py_ssize_t)(LINE_WIDTH * sizeof(int64_t));
-    for (Py_ssize_t i = 0; i < n_lines; i++, line += LINE_WIDTH) {
-        int64_t b = line[0], gi = line[1], first = line[2], keys = line[3], at = line[4];
-        if (b < 0 || b >= batches || gi < 0 || gi >= n_groups) {
-            PyErr_SetString(PyExc_ValueError, "a slice names a batch or group out of range");
-            goto done;
-        }
-        int64_t start = first_row + key0[gi] + first, row = start, end = start + keys;
-        while (row < end) {
-            int64_t stop = per_piece ? (row / per_piece + 1) * per_piece : end;
-            if (stop > end) stop = end;
-            if (push(&stage, at + (row - start) * row_bytes) || push(&tier, row * row_bytes) ||
-                push(&size, (stop - row) * row_bytes))
-                goto done;
-            row = stop;
-        }
-        bounds[b + 1] = size.len;
-    }
+    if (run_into(lines.buf, n_lines, key0, n_groups, batches, first_row, row_bytes, per_piece,
+                 &stage, &tier, &size, bounds))
+        goto done;
     const Column *src = store ? &stage : &tier, *dst = store ? &tier : &stage;
     result = Py_BuildValue("(NNNN)", as_tuple(src->data, src->len),
                            as_tuple(dst->data, dst->len), as_tuple(size.data, size.len),
@@ -376,12 +398,13 @@ typedef struct {
     int to_stage, piece;
 } Kernel;
 
-/* A job's table upload: a Python callable, or a launch of the table-copy kernel. */
+/* A job's table upload: a Python callable, or a launch of the table-copy kernel on one block
+ * per `threads` values, at most `most`. */
 typedef struct {
     PyObject *call; /* TableCopy(dst, src, count, stream), or NULL */
     launch_fn launch;
     void *function;
-    unsigned threads, blocks;
+    unsigned threads, most;
     uint64_t dst, src;
     int64_t count;
 } Upload;
@@ -426,6 +449,24 @@ static int parse_kernel(PyObject *in, Kernel *k) {
     return 0;
 }
 
+/* The TableCopy part of an upload: a callable, or (cuLaunchKernel's address, CUfunction,
+ * threads, most blocks). */
+static int parse_table_copy(PyObject *in, Upload *u) {
+    if (PyCallable_Check(in)) {
+        u->call = in;
+        return 0;
+    }
+    unsigned long long launch_at, function;
+    if (!PyArg_ParseTuple(in, "KKII", &launch_at, &function, &u->threads, &u->most)) return -1;
+    if (!u->threads || !u->most) {
+        PyErr_SetString(PyExc_ValueError, "a table copy needs threads and blocks");
+        return -1;
+    }
+    u->launch = (launch_fn)(uintptr_t)launch_at;
+    u->function = (void *)(uintptr_t)function;
+    return 0;
+}
+
 static int parse_upload(PyObject *in, Upload *u) {
     PyObject *copy_in;
     unsigned long long dst, src;
@@ -434,16 +475,7 @@ static int parse_upload(PyObject *in, Upload *u) {
     u->dst = dst;
     u->src = src;
     u->count = count;
-    if (PyCallable_Check(copy_in)) {
-        u->call = copy_in;
-        return 0;
-    }
-    unsigned long long launch_at, function;
-    if (!PyArg_ParseTuple(copy_in, "KKII", &launch_at, &function, &u->threads, &u->blocks))
-        return -1;
-    u->launch = (launch_fn)(uintptr_t)launch_at;
-    u->function = (void *)(uintptr_t)function;
-    return 0;
+    return parse_table_copy(copy_in, u);
 }
 
 /* Each call below returns 0, -1 with a Python exception, or a CUDA error code (> 0) with
@@ -512,7 +544,9 @@ static int upload(const Upload *u, uint64_t stream, const char **failed) {
     uint64_t src = u->src, dst = u->dst;
     long long count = u->count;
     void *params[] = {&src, &dst, &count};
-    int status = u->launch(u->function, u->blocks, 1, 1, u->threads, 1, 1, 0,
+    int64_t blocks = (count + u->threads - 1) / u->threads;
+    blocks = blocks < 1 ? 1 : (blocks > u->most ? u->most : blocks);
+    int status = u->launch(u->function, (unsigned)blocks, 1, 1, u->threads, 1, 1, 0,
                            (void *)(uintptr_t)stream, params, NULL);
     if (status) *failed = "cuLaunchKernel";
     return status;
@@ -582,26 +616,78 @@ static PyObject *end_job(PyObject *self, PyObject *args) {
     return outcome(finish(&driver, lanes, batches, joined, end, &failed), failed);
 }
 
+/* The staging side of a job, the same for all its batches. */
+typedef struct {
+    uint64_t stages[2], host, segments;
+    int store;
+    int64_t line_bytes, most, warps;
+} Staging;
+
+/* A job's batch columns (StagePlan's): per batch its kernel items, bounds of its slice lines
+ * and of its link copies (batches + 1 each); the link copies as offsets. */
+typedef struct {
+    Py_ssize_t batches;
+    const int64_t *items, *lines, *link, *src, *dst, *size;
+} Batches;
+
+/* A whole staged job's calls, as queue_job documents them; `events` as its tuple. */
+static int queue(const Driver *d, const uint64_t lanes[2], uint64_t compute,
+                 PyObject *const events[6], const Upload *table, const Kernel *kernel,
+                 const Staging *s, const Batches *b, const char **failed) {
+    PyObject *ready = events[0], *previous = events[1], *start = events[2];
+    PyObject *uploaded = events[3], *joined = events[4], *end = events[5];
+    Py_ssize_t batches = b->batches;
+    int status = begin(d, lanes, compute, ready, Py_None, start, failed);
+    if (!status) status = upload(table, lanes[0], failed);
+    if (!status) status = record_event(d, uploaded, lanes[0], failed);
+    if (!status && batches > 1) /* after what lane 0 waited on, and the upload */
+        status = wait_event(d, lanes[1], uploaded, failed);
+    for (Py_ssize_t k = 0; k < batches && !status; k++) {
+        uint64_t lane = lanes[k % 2], stage = s->stages[k % 2];
+        uint64_t src_base = s->store ? stage : s->host, dst_base = s->store ? s->host : stage;
+        int count = (int)(b->lines[k + 1] - b->lines[k]); /* none for a batch of no slice line */
+        int64_t blocks = (b->items[k] + s->warps - 1) / s->warps;
+        blocks = blocks ? (blocks < s->most ? blocks : s->most) : 1;
+        uint64_t at = s->segments + (uint64_t)(s->line_bytes * b->lines[k]);
+        if (s->store && count) /* gather, then copy out */
+            status = launch(kernel, lane, at, count, stage, (unsigned)blocks, failed);
+        if (!status && k == 0 && s->store && previous != Py_None) /* before writing the tier */
+            status = wait_event(d, lane, previous, failed);
+        for (int64_t i = b->link[k]; i < b->link[k + 1] && !status; i++)
+            status = copy(d, dst_base + (uint64_t)b->dst[i], src_base + (uint64_t)b->src[i],
+                          b->size[i], lane, failed);
+        if (!status && k == 0 && !s->store && previous != Py_None) /* before writing KV blocks */
+            status = wait_event(d, lane, previous, failed);
+        if (!status && count && !s->store) /* copy in, then scatter */
+            status = launch(kernel, lane, at, count, stage, (unsigned)blocks, failed);
+    }
+    if (!status && !batches && previous != Py_None) /* the end comes after the previous one's */
+        status = wait_event(d, lanes[0], previous, failed);
+    if (!status) status = finish(d, lanes, batches, joined, end, failed);
+    return status;
+}
+
 /* queue_job(driver, lanes, compute, events, upload, kernel, batches) -> None or (status, call)
  * A whole staged job, as StagedGpuExecutor._enqueue_staged documents it: begin (above) without
  * the wait for the previous job, the table upload on lane 0 and its event (which lane 1 waits
  * for when the job has a second batch), the batch loop, finish (above). Lane 0 waits for the
  * previous job (its end event, unless None) in its first batch, just before the job first
  * writes memory that job may also write: a store's first DMA to the tier, a load's first
- * scatter into KV blocks (or before the end, for a job of no batch). `events` is (ready, previous end or None, start,
- * uploaded, joined, end); `upload` (TableCopy, dst, src, count), the TableCopy a callable or
- * (cuLaunchKernel's address, CUfunction, threads, blocks); `kernel` a StageCopy callable or a
- * NativeLaunch tuple; `batches` (stages, host, store, segments, line_bytes, most, warps, items,
- * lines, link, src, dst, size). Everything is read and checked before the first call; a driver
- * error stops the job where it is, and an exception from a callable propagates. */
+ * scatter into KV blocks (or before the end, for a job of no batch). `events` is (ready,
+ * previous end or None, start, uploaded, joined, end); `upload` (TableCopy, dst, src, count),
+ * the TableCopy a callable or (cuLaunchKernel's address, CUfunction, threads, most blocks);
+ * `kernel` a StageCopy callable or a NativeLaunch tuple; `batches` (stages, host, store,
+ * segments, line_bytes, most, warps, items, lines, link, src, dst, size). Everything is read and
+ * checked before the first call; a driver error stops the job where it is, and an exception
+ * from a callable propagates. */
 static PyObject *queue_job(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *driver_in, *upload_in, *kernel_in, *batches_in;
-    PyObject *ready, *previous, *start, *uploaded, *joined, *end;
+    PyObject *events[6];
     unsigned long long lanes_in[2], compute;
     if (!PyArg_ParseTuple(args, "O(KK)K(OOOOOO)OOO", &driver_in, &lanes_in[0], &lanes_in[1],
-                          &compute, &ready, &previous, &start, &uploaded, &joined, &end,
-                          &upload_in, &kernel_in, &batches_in))
+                          &compute, &events[0], &events[1], &events[2], &events[3], &events[4],
+                          &events[5], &upload_in, &kernel_in, &batches_in))
         return NULL;
     Driver driver = {0};
     Kernel kernel = {0};
@@ -624,46 +710,180 @@ static PyObject *queue_job(PyObject *self, PyObject *args) {
         columns[c] = read_ints(columns_in[c], &lengths[c], "plan columns must be sequences");
         if (!columns[c]) goto done;
     }
-    const int64_t *items = columns[0], *lines = columns[1], *link = columns[2];
-    const int64_t *src = columns[3], *dst = columns[4], *size = columns[5];
-    Py_ssize_t batches = lengths[0];
-    if (lengths[1] != batches + 1 || lengths[2] != batches + 1 || lengths[3] != lengths[5] ||
-        lengths[4] != lengths[5] || (batches && link[batches] > lengths[5])) {
+    Batches b = {lengths[0], columns[0], columns[1], columns[2],
+                 columns[3], columns[4], columns[5]};
+    if (lengths[1] != b.batches + 1 || lengths[2] != b.batches + 1 || lengths[3] != lengths[5] ||
+        lengths[4] != lengths[5] || (b.batches && b.link[b.batches] > lengths[5])) {
         PyErr_SetString(PyExc_ValueError, "the plan's columns do not agree in length");
         goto done;
     }
     const uint64_t lanes[2] = {lanes_in[0], lanes_in[1]};
+    const Staging staging = {{stages[0], stages[1]}, host, segments, store, line_bytes, most,
+                             warps};
     const char *failed = NULL;
-    int status = begin(&driver, lanes, compute, ready, Py_None, start, &failed);
-    if (!status) status = upload(&table, lanes[0], &failed);
-    if (!status) status = record_event(&driver, uploaded, lanes[0], &failed);
-    if (!status && batches > 1) /* after what lane 0 waited on, and the upload */
-        status = wait_event(&driver, lanes[1], uploaded, &failed);
-    for (Py_ssize_t k = 0; k < batches && !status; k++) {
-        uint64_t lane = lanes[k % 2], stage = stages[k % 2];
-        uint64_t src_base = store ? stage : host, dst_base = store ? host : stage;
-        int count = (int)(lines[k + 1] - lines[k]); /* none for a batch of no slice line */
-        int64_t blocks = (items[k] + warps - 1) / warps;
-        blocks = blocks ? (blocks < most ? blocks : most) : 1;
-        uint64_t at = segments + (uint64_t)(line_bytes * lines[k]);
-        if (store && count) /* gather, then copy out */
-            status = launch(&kernel, lane, at, count, stage, (unsigned)blocks, &failed);
-        if (!status && k == 0 && store && previous != Py_None) /* before writing the tier */
-            status = wait_event(&driver, lane, previous, &failed);
-        for (int64_t i = link[k]; i < link[k + 1] && !status; i++)
-            status = copy(&driver, dst_base + (uint64_t)dst[i], src_base + (uint64_t)src[i],
-                          size[i], lane, &failed);
-        if (!status && k == 0 && !store && previous != Py_None) /* before writing KV blocks */
-            status = wait_event(&driver, lane, previous, &failed);
-        if (!status && count && !store) /* copy in, then scatter */
-            status = launch(&kernel, lane, at, count, stage, (unsigned)blocks, &failed);
-    }
-    if (!status && !batches && previous != Py_None) /* the end comes after the previous one's */
-        status = wait_event(&driver, lanes[0], previous, &failed);
-    if (!status) status = finish(&driver, lanes, batches, joined, end, &failed);
+    int status = queue(&driver, lanes, compute, events, &table, &kernel, &staging, &b, &failed);
     result = outcome(status, failed);
 done:
     for (int c = 0; c < 6; c++) PyMem_Free(columns[c]);
+    return result;
+}
+
+/* What stage_job knows of a layout group (StagePlanner.job_constants). */
+enum { R_FIRST_REF, R_REFS, R_PAGE_PIECES, R_PAGE_BYTES, R_SIZE, R_DENSE, R_WIDTH };
+
+/* stage_job(constants, first, compute, previous, start, end, slot, ids, rows, group_sizes,
+ *           block_indices) -> (batches or -1, None or (status, call))
+ * A staged job planned and queued in one call, for the common job: its rows one consecutive
+ * run, every group it moves filling its rows and, for a store, its chunks whole and its pages
+ * unpadded. Then it plans as StagePlanner.plan, writes the ids and slice table after the ref
+ * table into the slot's pinned view as StagedGpuExecutor._table_slot does, and queues the job
+ * as queue_job, starting on lane `first`; it returns the job's batches and queue_job's answer.
+ * For any other job, or a slot too small, it returns (-1, None) having written and queued
+ * nothing, and the caller takes the Python path (StagedGpuExecutor._queue_planned), which is
+ * this function's specification: tests/executors/test_stage_job.py holds the two to the same
+ * calls and tables.
+ * `constants`: (driver, lanes, stages, (ready, uploaded, joined), TableCopy, host, store,
+ *   most blocks, warps, (capacity, ramp, f, row_bytes, per_piece, ref_values, groups)), with
+ *   one R_WIDTH tuple per layout group in `groups`;
+ * `slot`: (view, its address, its GPU tables' address, the StageKernel of the slot's jobs);
+ * `ids`, `rows`: int64 buffers (anything else is declined), checked by the caller. */
+static PyObject *stage_job(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *constants, *slot_in, *ids_in, *rows_in, *sizes_in, *firsts_in;
+    PyObject *events[6];
+    int first;
+    unsigned long long compute;
+    if (!PyArg_ParseTuple(args, "OpKOOOOOOOO", &constants, &first, &compute, &events[1],
+                          &events[2], &events[5], &slot_in, &ids_in, &rows_in, &sizes_in,
+                          &firsts_in))
+        return NULL;
+    PyObject *driver_in, *table_in, *groups_in, *slot_view_in, *kernel_in;
+    unsigned long long lanes_in[2], stages_in[2], host, slot_address, tables;
+    long long most, warps, capacity, ramp, f, row_bytes, per_piece, ref_values;
+    int store;
+    if (!PyArg_ParseTuple(constants, "O(KK)(KK)(OOO)OKpLL(LLLLLLO)", &driver_in, &lanes_in[0],
+                          &lanes_in[1], &stages_in[0], &stages_in[1], &events[0], &events[3],
+                          &events[4], &table_in, &host, &store, &most, &warps, &capacity, &ramp,
+                          &f, &row_bytes, &per_piece, &ref_values, &groups_in) ||
+        !PyArg_ParseTuple(slot_in, "OKKO", &slot_view_in, &slot_address, &tables, &kernel_in))
+        return NULL;
+    Driver driver = {0};
+    Kernel kernel = {0};
+    Upload table = {0};
+    if (parse_driver(driver_in, &driver) || parse_table_copy(table_in, &table) ||
+        parse_kernel(kernel_in, &kernel))
+        return NULL;
+    Py_buffer ids_view, rows_view, slot_view;
+    int have_ids = 0, have_rows = 0, have_slot = 0;
+    Py_ssize_t n_groups = 0, n_firsts = 0;
+    int64_t *sizes = NULL, *firsts = NULL, *key0 = NULL, *link = NULL;
+    int64_t(*g)[G_WIDTH] = NULL;
+    Column slices = {0}, lines = {0}, bounds = {0}, stage_bytes = {0}, items = {0},
+           nbytes = {0}, stage = {0}, tier = {0}, size = {0};
+    PyObject *result = NULL, *groups_fast = NULL;
+    if ((have_ids = int64_view(ids_in, &ids_view)) < 0 ||
+        (have_rows = int64_view(rows_in, &rows_view)) < 0)
+        goto done;
+    if (!have_ids || !have_rows) goto decline;
+    if (PyObject_GetBuffer(slot_view_in, &slot_view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    have_slot = 1;
+    if (!(sizes = read_ints(sizes_in, &n_groups, "group_sizes must be a sequence")) ||
+        !(firsts = read_ints(firsts_in, &n_firsts, "block_indices must be a sequence")) ||
+        !(groups_fast = PySequence_Fast(groups_in, "groups must be a sequence")))
+        goto done;
+    if (n_firsts != n_groups || PySequence_Fast_GET_SIZE(groups_fast) != n_groups || f < 1)
+        goto decline;
+    const int64_t *ids = ids_view.buf, *rows = rows_view.buf;
+    Py_ssize_t n_ids = ids_view.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t n_rows = rows_view.len / (Py_ssize_t)sizeof(int64_t);
+    for (Py_ssize_t i = 1; i < n_rows; i++)
+        if (rows[i] != rows[i - 1] + 1) goto decline;
+    /* the groups the plan moves, as StagePlanner._groups lists them */
+    g = PyMem_Malloc((size_t)(n_groups ? n_groups : 1) * sizeof(*g));
+    key0 = PyMem_Malloc((size_t)(n_groups ? n_groups : 1) * sizeof(int64_t));
+    if (!g || !key0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t moved = 0;
+    int64_t next_key = 0, next_id = 0;
+    for (Py_ssize_t i = 0; i < n_groups; i++) {
+        int64_t n = sizes[i], skip = ((firsts[i] % f) + f) % f;
+        int64_t keys = n > 0 ? (n + skip + f - 1) / f : 0;
+        if (keys) {
+            Py_ssize_t width;
+            int64_t *refs = read_ints(PySequence_Fast_GET_ITEM(groups_fast, i), &width,
+                                      "a group must be a sequence");
+            if (!refs) goto done;
+            int fits = width == R_WIDTH && refs[R_SIZE] == row_bytes &&
+                       (!store || (refs[R_DENSE] && !skip && n == keys * f));
+            int64_t *out = g[moved];
+            out[G_FIRST_REF] = refs[R_FIRST_REF];
+            out[G_REFS] = refs[R_REFS];
+            out[G_PAGE_PIECES] = refs[R_PAGE_PIECES];
+            out[G_PAGE_BYTES] = refs[R_PAGE_BYTES];
+            out[G_SIZE] = refs[R_SIZE];
+            PyMem_Free(refs);
+            if (!fits) goto decline; /* rows it fills in part, or pages copied one by one */
+            out[G_N] = n;
+            out[G_SKIP] = skip;
+            out[G_KEYS] = keys;
+            out[G_KEY0] = next_key;
+            out[G_ID0] = next_id;
+            key0[moved++] = next_key;
+        }
+        next_key += keys;
+        next_id += n;
+    }
+    if (next_key != n_rows || next_id != n_ids) goto decline;
+    if (slice_into((const int64_t(*)[G_WIDTH])g, moved, store, capacity, ramp, f, &slices,
+                   &lines, &bounds, &stage_bytes, &items, &nbytes))
+        goto done;
+    Py_ssize_t batches = stage_bytes.len;
+    int64_t values = ref_values + n_ids + slices.len;
+    if (values * (int64_t)sizeof(int64_t) > slot_view.len) goto decline;
+    if (!(link = PyMem_Calloc((size_t)batches + 1, sizeof(int64_t)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (run_into(lines.data, lines.len / LINE_WIDTH, key0, moved, batches,
+                 n_rows ? rows[0] : 0, row_bytes, per_piece, &stage, &tier, &size, link))
+        goto done;
+    int64_t *view = slot_view.buf;
+    if (n_ids) memcpy(view + ref_values, ids, (size_t)n_ids * sizeof(int64_t));
+    if (slices.len)
+        memcpy(view + ref_values + n_ids, slices.data, (size_t)slices.len * sizeof(int64_t));
+    uint64_t ids_at = tables + (uint64_t)ref_values * sizeof(int64_t);
+    table.dst = tables;
+    table.src = slot_address;
+    table.count = values;
+    const uint64_t lanes[2] = {lanes_in[first], lanes_in[!first]};
+    const Staging staging = {{stages_in[first], stages_in[!first]}, host,
+                             ids_at + (uint64_t)n_ids * sizeof(int64_t), store,
+                             SLICE_WIDTH * (int64_t)sizeof(int64_t), most, warps};
+    const Column *src = store ? &stage : &tier, *dst = store ? &tier : &stage;
+    const Batches b = {batches, items.data, bounds.data, link, src->data, dst->data, size.data};
+    const char *failed = NULL;
+    int status = queue(&driver, lanes, compute, events, &table, &kernel, &staging, &b, &failed);
+    PyObject *failure = outcome(status, failed);
+    if (failure) result = Py_BuildValue("(nN)", batches, failure);
+    goto done;
+decline:
+    result = Py_BuildValue("(iO)", -1, Py_None);
+done:
+    PyMem_Free(sizes);
+    PyMem_Free(firsts);
+    PyMem_Free(key0);
+    PyMem_Free(link);
+    PyMem_Free(g);
+    Column *columns[] = {&slices, &lines, &bounds, &stage_bytes, &items,
+                         &nbytes, &stage, &tier, &size};
+    for (size_t c = 0; c < sizeof(columns) / sizeof(*columns); c++) PyMem_Free(columns[c]->data);
+    Py_XDECREF(groups_fast);
+    if (have_slot) PyBuffer_Release(&slot_view);
+    if (have_rows > 0) PyBuffer_Release(&rows_view);
+    if (have_ids > 0) PyBuffer_Release(&ids_view);
     return result;
 }
 
@@ -675,6 +895,7 @@ static PyMethodDef methods[] = {
     {"begin_job", begin_job, METH_VARARGS, "Queue a job's first event records and waits."},
     {"end_job", end_job, METH_VARARGS, "Queue a job's last event records and waits."},
     {"queue_job", queue_job, METH_VARARGS, "Queue a whole staged job."},
+    {"stage_job", stage_job, METH_VARARGS, "Plan and queue a common staged job, else -1."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -73,3 +73,17 @@ def queue_job(
     ],
     /,
 ) -> tuple[int, str] | None: ...
+def stage_job(
+    constants: tuple[Any, ...],
+    first: int,
+    compute: int,
+    previous: Any,
+    start: Any,
+    end: Any,
+    slot: tuple[IdArray, int, int, Any],
+    ids: IdArray,
+    rows: IdArray,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    /,
+) -> tuple[int, tuple[int, str] | None]: ...

@@ -99,7 +99,8 @@ DriverCalls = tuple[Record, Wait, Dma]
 TableCopy = Callable[[int, int, int, int], None] | tuple[int, int, int, int]
 """`(dst, src, count, stream)` copies `count` int64 from pinned `src` to GPU `dst`; or, for the
 compiled job code to launch `kernels.TABLE_COPY_SOURCE` itself, the address of
-`cuLaunchKernel`, the kernel's `CUfunction`, threads per block and blocks."""
+`cuLaunchKernel`, the kernel's `CUfunction`, threads per block and the most blocks (it takes one
+per `threads` values)."""
 
 
 @attrs.define
@@ -184,6 +185,9 @@ class StagedGpuExecutor(Executor):
         self._staging: dict[Direction, tuple[list[Any], tuple[int, int]]] = {}
         self._tables: dict[Direction, list[_TableSlot]] = {}
         self._next_slot: dict[Direction, int] = {}
+        self._constants: dict[Direction, tuple[Any, ...]] = {}
+        """Per direction, what no job changes, as `_native.stage_job` takes it
+        (`_job_constants`)."""
 
     # --- what a CUDA library provides ----------------------------------------------------------
 
@@ -273,14 +277,12 @@ class StagedGpuExecutor(Executor):
             PIECE_BYTES,
         )
 
-    def _table_copy(self, count: int) -> TableCopy:
-        """Return how the compiled job code copies a job's `count` int64 of tables to the GPU
-        (`TableCopy`; see `_enqueue_staged`): here a launch of `kernels.TABLE_COPY_SOURCE`, its
-        parameters in `TABLE_COPY_ARGUMENTS`' order, one block per `THREADS` values, at most
-        `copy_blocks`."""
-        blocks = max(1, min(-(-count // THREADS), self._copy_blocks))
+    def _table_copy(self) -> TableCopy:
+        """Return how the compiled job code copies a job's tables to the GPU (`TableCopy`; see
+        `_enqueue_staged`): here a launch of `kernels.TABLE_COPY_SOURCE`, its parameters in
+        `TABLE_COPY_ARGUMENTS`' order, one block per `THREADS` values, at most `copy_blocks`."""
         function = self._function(TABLE_COPY_SOURCE, TABLE_COPY_NAME)
-        return (self._cuda().launch_address, function, THREADS, blocks)
+        return (self._cuda().launch_address, function, THREADS, self._copy_blocks)
 
     def _function(self, source: str, name: str) -> int:
         """Return the `CUfunction` of kernel `name` as an integer (compiled on first use)."""
@@ -369,21 +371,70 @@ class StagedGpuExecutor(Executor):
         staging overlap the previous job's last batch, on the other lane: its work and theirs
         then touch different halves and tables, and beside a model's kernels, which keep the
         staging kernels waiting for SMs, the link no longer idles between jobs. Every later op
-        follows the previous job in stream order or through the upload's event. All of it is
-        one compiled call (`_native.queue_job`): in Python, the job's driver calls were most of
-        a large job's submit time.
+        follows the previous job in stream order or through the upload's event.
+
+        The common job (its rows one consecutive run, every group it moves filling its rows,
+        and for a store whole chunks of unpadded pages) is planned, written to its table slot
+        and queued by one compiled call, `_native.stage_job`; any other takes
+        `_queue_planned`, the same steps in Python, which are that call's specification. Right
+        after a `wait()` the Python between those steps cost most of a 2048-block load's
+        submit, cold (docs/benchmarks.md, eighth session).
         """
+        direction = bound.plan.direction
+        k, slot = self._free_slot(direction)
+        job, previous = self._new_job(direction, CopyPath.STAGED)
+        first = self._next_lane.get(direction, 0)
+        batches = self._queue_compiled(bound, slot, job, previous, first)
+        if batches < 0:
+            slot, batches = self._queue_planned(bound, k, job, previous, first)
+        job.batches = batches
+        self._last_job[direction] = job
+        self._next_lane[direction] = (first + batches) % 2
+        slot.job = job  # its end comes after the upload that read the slot
+        return job
+
+    def _queue_compiled(
+        self, bound: BoundPlan, slot: _TableSlot, job: GpuJob, previous: Any, first: int
+    ) -> int:
+        """Plan `bound`, write its tables to the direction's free `slot` and queue it as `job`
+        from lane `first`, after `previous` (an end event, or None), in one compiled call
+        (`_native.stage_job`); return the job's batches, or -1, having written and queued
+        nothing, for a job that call does not cover (see `_enqueue_staged`) or one whose
+        tables do not fit the slot."""
+        direction = bound.plan.direction
+        plan = bound.plan
+        batches, failed = _native.stage_job(
+            self._constants.get(direction) or self._job_constants(direction),
+            first,
+            self._compute_stream_now(),
+            previous,
+            job.start,
+            job.end,
+            slot.job_tables,
+            plan.gpu_block_ids,
+            bound.cpu_rows,
+            plan.group_sizes,
+            plan.block_indices,
+        )
+        if failed:
+            check_status(*failed)
+        return batches
+
+    def _queue_planned(
+        self, bound: BoundPlan, k: int, job: GpuJob, previous: Any, first: int
+    ) -> tuple[_TableSlot, int]:
+        """Plan `bound` (`StagePlanner.plan`), write its tables to the direction's free slot `k`
+        (`_write_tables`) and queue it as `job` from lane `first` (`_native.queue_job`), after
+        `previous` (an end event, or None); return the slot and the job's batches. What
+        `_native.stage_job` does in one call for the common job, step by step, for every job."""
         direction = bound.plan.direction
         plan = self._planner.plan(bound)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
-        slot = self._table_slot(ids, plan.table, direction)
+        slot = self._write_tables(direction, k, ids, plan.table)
         values = self._planner.ref_table.size + len(ids) + plan.table.size
-        job, previous = self._new_job(direction, CopyPath.STAGED)
-        job.batches = len(plan)
         refs = slot.tables_address
         ids_address = refs + self._planner.ref_table.nbytes
         store = direction is Direction.STORE
-        first = self._next_lane.get(direction, 0)
         lanes, stages = self._lane_handles[direction], self._stages(direction)
         if first:
             lanes, stages = (lanes[1], lanes[0]), (stages[1], stages[0])
@@ -399,8 +450,8 @@ class StagedGpuExecutor(Executor):
                 self._joined[direction],
                 job.end,
             ),
-            (self._table_copy(values), refs, slot.address, values),
-            self._stage_kernel(refs=refs, ids=ids_address, to_stage=store),
+            (self._table_copy(), refs, slot.address, values),
+            slot.kernel,
             (
                 stages,
                 self.host_tier.address,
@@ -419,40 +470,65 @@ class StagedGpuExecutor(Executor):
         )
         if failed:
             check_status(*failed)
-        self._last_job[direction] = job
-        self._next_lane[direction] = (first + len(plan)) % 2
-        slot.job = job  # its end comes after the upload that read the slot
-        return job
+        return slot, len(plan)
 
-    def _table_slot(self, ids: IdArray, table: IdArray, direction: Direction) -> _TableSlot:
-        """Write the ref table, `ids` and the slice `table` (int64), one after the other, into
-        the direction's next pinned table slot and return it (the job copies it to the slot's
-        GPU tables, `_new_slot`).
+    def _job_constants(self, direction: Direction) -> tuple[Any, ...]:
+        """Return (and keep) what `_native.stage_job` needs of the direction that no job
+        changes: the driver calls, lanes, staging halves, the direction's events, the table
+        copy, the tier, the kernel's block limits and the planner's layout constants
+        (`StagePlanner.job_constants`). Built at the direction's first staged job, so the
+        driver calls are read then."""
+        constants = self._constants[direction] = (
+            self._driver_calls(),
+            self._lane_handles[direction],
+            self._stages(direction),
+            (self._ready[direction], self._uploaded[direction], self._joined[direction]),
+            self._table_copy(),
+            self.host_tier.address,
+            direction is Direction.STORE,
+            self._copy_blocks,
+            WARPS,
+            self._planner.job_constants,
+        )
+        return constants
+
+    def _free_slot(self, direction: Direction) -> tuple[int, _TableSlot]:
+        """Return the direction's next table slot and its index, once no job in flight reads it.
 
         Jobs take the `TABLE_SLOTS` slots in turn; a slot is written again only once the job
         that last used it has ended (its end event, unless the host saw it finish; with a few
-        jobs in flight, long since), and grows when a job needs more.
-        """
-        refs = self._planner.ref_table.size
-        end = refs + len(ids) + table.size
-        if direction not in self._tables:  # all at once: no allocation once jobs flow
-            self._tables[direction] = [self._new_slot(end) for _ in range(TABLE_SLOTS)]
-        slots = self._tables[direction]
+        jobs in flight, long since)."""
+        slots = self._tables.get(direction)
+        if slots is None:  # all at once: no allocation once jobs flow
+            slots = self._tables[direction] = [
+                self._new_slot(direction, 0) for _ in range(TABLE_SLOTS)
+            ]
         k = self._next_slot.get(direction, 0)
         self._next_slot[direction] = (k + 1) % TABLE_SLOTS
         slot = slots[k]
         if slot.job is not None and not slot.job.finished:
             self._synchronize_event(slot.job.end)
         slot.job = None
+        return k, slot
+
+    def _write_tables(
+        self, direction: Direction, k: int, ids: IdArray, table: IdArray
+    ) -> _TableSlot:
+        """Write `ids` and the slice `table` (int64) after the ref table into the direction's
+        free slot `k` (`_free_slot`), first replacing it with a larger one when they do not
+        fit, and return the slot (the job copies it to the slot's GPU tables, `_new_slot`)."""
+        refs = self._planner.ref_table.size
+        end = refs + len(ids) + table.size
+        slot = self._tables[direction][k]
         if slot.capacity < end:
-            slot = slots[k] = self._new_slot(end)
+            slot = self._tables[direction][k] = self._new_slot(direction, end)
         slot.view[refs : refs + len(ids)] = ids
         slot.view[refs + len(ids) : end] = table.ravel()
         return slot
 
-    def _new_slot(self, values: int) -> _TableSlot:
-        """Return a new table slot of at least `values` int64, the ref table written in, with
-        GPU tables of the same size, where its jobs copy it.
+    def _new_slot(self, direction: Direction, values: int) -> _TableSlot:
+        """Return a new table slot of `direction` of at least `values` int64, the ref table
+        written in, with GPU tables of the same size, where its jobs copy it.
 
         The kernels read their tables from GPU memory: read from pinned memory, every warp's
         lookups would cross the link, which is busy with the job's own DMAs (a store's 4 KiB
@@ -461,20 +537,28 @@ class StagedGpuExecutor(Executor):
         behind the load DMAs in flight, which held stores back when both directions ran. Each
         slot has GPU tables of its own, so a job's upload never overwrites tables that a job
         still in flight reads: the slot, and so its GPU tables, is taken again only once its
-        last job has ended (`_table_slot`).
+        last job has ended (`_free_slot`).
         """
         capacity = max(values, self.min_table_values)
         host, view = self._allocate_pinned(capacity)
         refs = self._planner.ref_table.ravel()
         view[: len(refs)] = refs
         tables = self._allocate(capacity * 8)
+        address, tables_address = int(view.ctypes.data), self._address(tables)
+        kernel = self._stage_kernel(
+            refs=tables_address,
+            ids=tables_address + refs.nbytes,
+            to_stage=direction is Direction.STORE,
+        )
         return _TableSlot(
             host=host,
             view=view,
-            address=int(view.ctypes.data),
+            address=address,
             capacity=capacity,
             tables=tables,
-            tables_address=self._address(tables),
+            tables_address=tables_address,
+            kernel=kernel,
+            job_tables=(view, address, tables_address, kernel),
         )
 
     def _done(self, handle: GpuJob) -> bool:
@@ -502,6 +586,7 @@ class StagedGpuExecutor(Executor):
         self._last_job.clear()
         self._staging.clear()
         self._tables.clear()
+        self._constants.clear()
         self._next_lane.clear()
 
 
@@ -521,5 +606,9 @@ class _TableSlot:
     """The GPU buffer of as many int64 that its jobs copy it to, which their kernels read."""
     tables_address: int
     """That buffer's address."""
+    kernel: StageKernel
+    """The staging kernel of the slot's jobs, which read their tables there (`_stage_kernel`)."""
+    job_tables: tuple[IdArray, int, int, StageKernel]
+    """`(view, address, tables_address, kernel)`, as `_native.stage_job` takes the slot."""
     job: GpuJob | None = None
     """The last job that read it, until the host knows that job ended."""

@@ -206,6 +206,21 @@ class StagePlanner:
         self.ref_table: IdArray = np.array(lines, np.int64).reshape(-1, len(REF_FIELDS))
         """The layout's ref table (`REF_FIELDS`), the same for every job."""
         self.ref_table.setflags(write=False)
+        self.job_constants = (
+            capacity,
+            self._ramp_bytes,
+            f,
+            self._row_bytes,
+            tier_piece_bytes // self._row_bytes,
+            self.ref_table.size,
+            tuple(
+                (*refs[:4], self._sizes[g], self._dense[g]) for g, refs in enumerate(self._refs_of)
+            ),
+        )
+        """What `_native.stage_job` plans with: staging capacity, ramp bytes, blocks per chunk,
+        row bytes, rows per registered piece of the tier (0: one piece), the ref table's int64
+        count, and per layout group its first ref, refs, pieces and bytes per page, row bytes,
+        and whether its pages are unpadded."""
 
     def plan(self, bound: BoundPlan) -> StagePlan:
         """Return the batches of `bound`: runs of consecutive keys whose rows fit in staging.

@@ -11,14 +11,16 @@ the copies still happen, at once, in call order) whose CUDA primitives also log 
   True) makes every op queued afterwards, on any stream, happen after what the host waited for,
   and so does a host write (the host queues nothing before it has written).
 
-The host writes a job's tables into a pinned table slot (`_table_slot`); they are then copied to
-the slot's own GPU buffer of tables (a table-copy kernel on the job's first lane, an UPLOAD op
-that reads the slot and writes the device tables), and the job's kernels read them there. The
-model logs the host's writes of the slot, each upload, and each kernel's reads of its tables
-(the ref table, the block ids its slice lines use, and those lines). `happens_before` is the
-transitive closure of the edges above; every op carries the memory it touches (a staging half
-as a whole, a byte range of a pinned table slot, of the device tables, of the tier), so a hazard
-is two ops touching the same memory, one writing, that it does not order.
+The host writes a job's tables into a pinned table slot (compiled in `_native.stage_job`, or in
+`_write_tables`) before the job's first driver call, where the model logs that write; they are
+then copied to the slot's own GPU buffer of tables (a table-copy kernel on the job's first lane,
+an UPLOAD op that reads the slot and writes the device tables), and the job's kernels read them
+there. The model logs the host's writes of the slot, each upload, and each kernel's reads of
+its tables (the ref table, the block ids its slice lines use, and those lines).
+`happens_before` is the transitive closure of the edges above; every op carries the memory it
+touches (a staging half as a whole, a byte range of a pinned table slot, of the device tables,
+of the tier), so a hazard is two ops touching the same memory, one writing, that it does not
+order.
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ import attrs
 import numpy as np
 from _torch_on_cpu import TorchOnCpuExecutor
 
-from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.plan import Direction
-from kvferry.executors.staged import GpuJob
+from kvferry.executors.staged import TABLE_SLOTS, GpuJob
 from kvferry.executors.staging import SLICE_FIELDS
 
 COMPUTE_STREAMS = (1, 2)
@@ -212,6 +213,9 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self._compute_op: Op | None = None
         self._allocating_tables = False
         self._events = 0
+        self._writing: BoundPlan | None = None
+        """The job whose table writes are not logged yet (`_log_table_writes`)."""
+        self._logged_regions = 0
         super().__init__(**options)
 
     # --- the engine --------------------------------------------------------------------------
@@ -229,6 +233,7 @@ class StreamOrderModel(TorchOnCpuExecutor):
     def _enqueue(self, bound: BoundPlan) -> GpuJob:
         assert self._compute_op is not None, "submit through submit_behind_compute"
         self._job, first = bound.job_id, len(self.trace.ops)
+        self._writing = bound
         try:
             handle = super()._enqueue(bound)
         finally:
@@ -294,26 +299,32 @@ class StreamOrderModel(TorchOnCpuExecutor):
                 )
         return halves
 
-    def _table_slot(self, ids: IdArray, table: IdArray, direction: Direction) -> Any:
-        """Log the host's writes, after whatever the host waited for first: the ref table into
-        each slot made meanwhile ("ref table"), then the job's block ids and slice table after
-        the ref table of the slot returned ("tables")."""
-        known = len(self._regions)
-        slot = super()._table_slot(ids, table, direction)
+    def _log_table_writes(self) -> None:
+        """Log the host's writes of the job being queued, once, at its first driver call (both
+        paths write before it, after whatever the host waited for): the ref table into each
+        slot made since the last job ("ref table"), then the job's block ids and slice table
+        after the ref table of its slot ("tables")."""
+        bound, self._writing = self._writing, None
+        if bound is None:
+            return
+        direction = bound.plan.direction
         ref_bytes = self._planner.ref_table.nbytes
-        for base, _, resource in self._regions[known:]:
+        for base, _, resource in self._regions[self._logged_regions :]:
             if resource[0] == "pinned":
                 written = self._access(base, ref_bytes, write=True)
                 self.trace.queue(Kind.HOST, None, label="ref table", accesses=[written])
-        written = self._access(slot.address + ref_bytes, 8 * (len(ids) + table.size), write=True)
+        self._logged_regions = len(self._regions)
+        k = (self._next_slot[direction] - 1) % TABLE_SLOTS
+        slot = self._tables[direction][k]
+        values = len(bound.plan.gpu_block_ids) + self._planner.plan(bound).table.size
+        written = self._access(slot.address + ref_bytes, 8 * values, write=True)
         self.trace.queue(Kind.HOST, None, job=self._job, label="tables", accesses=[written])
-        return slot
 
-    def _new_slot(self, values: int) -> Any:
+    def _new_slot(self, direction: Direction, values: int) -> Any:
         """Mark the device allocation made here as device tables."""
         self._allocating_tables = True
         try:
-            return super()._new_slot(values)
+            return super()._new_slot(direction, values)
         finally:
             self._allocating_tables = False
 
@@ -361,6 +372,7 @@ class StreamOrderModel(TorchOnCpuExecutor):
             self.trace.misuse.append(f"{use} of destroyed {self._label(event)}")
 
     def _record(self, event: ModelEvent, stream: int) -> None:
+        self._log_table_writes()
         self._check_alive(event, "record")
         label = self._label(event)
         event.record = self.trace.queue(Kind.RECORD, stream, job=self._job, label=label)

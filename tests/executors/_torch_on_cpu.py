@@ -187,7 +187,7 @@ class TorchOnCpuExecutor(TorchExecutor):
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 
-    def _table_copy(self, count: int) -> TableCopy:
+    def _table_copy(self) -> TableCopy:
         return self._copy_table
 
     def _copy_table(self, dst: int, src: int, count: int, stream: int) -> None:

@@ -41,7 +41,9 @@ COMPUTE = 13
 READY, PREVIOUS, START, UPLOADED, JOINED, END = 1, 2, 3, 4, 5, 6
 STAGES = (1 << 20, 2 << 20)
 HOST = 1 << 30
-TABLES, SLOT, VALUES, TABLE_BLOCKS = 6 << 20, 7 << 20, 500, 2
+TABLES, SLOT, VALUES = 6 << 20, 7 << 20, 500
+TABLE_BLOCKS = -(-VALUES // THREADS)
+"""Blocks of the table copy's launch: one per `THREADS` values (fewer than `MOST` here)."""
 SEGMENTS = 5 << 20
 LINE_BYTES = 56
 MOST = 4
@@ -100,7 +102,7 @@ class _Driver:
 
 
 def _table_launch(driver: _Driver) -> tuple[int, int, int, int]:
-    return (driver.launch_address, TABLE_KERNEL, THREADS, TABLE_BLOCKS)
+    return (driver.launch_address, TABLE_KERNEL, THREADS, MOST)
 
 
 def _stage_launch(driver: _Driver, *, to_stage: bool) -> tuple[int, int, int, int, int, bool, int]:
@@ -115,13 +117,14 @@ def _job(
     store: bool,
     previous: int | None = PREVIOUS,
     columns: dict[str, tuple[int, ...]] = COLUMNS,
+    values: int = VALUES,
 ) -> tuple[int, str] | None:
     return _native.queue_job(
         calls,
         LANES,
         COMPUTE,
         (READY, previous, START, UPLOADED, JOINED, END),
-        (table_copy, TABLES, SLOT, VALUES),
+        (table_copy, TABLES, SLOT, values),
         kernel,
         (STAGES, HOST, store, SEGMENTS, LINE_BYTES, MOST, WARPS, *columns.values()),
     )
@@ -352,5 +355,7 @@ def test_the_table_copy_takes_a_block_per_threads_values_at_most_copy_blocks(
 ) -> None:
     driver = _Driver()
     stand_in: Any = _CompilesTwo(driver)
-    table_copy = StagedGpuExecutor._table_copy(stand_in, count)
-    assert table_copy == (driver.launch_address, TABLE_KERNEL, THREADS, blocks)
+    assert StagedGpuExecutor._table_copy(stand_in) == _table_launch(driver)
+    assert _native_job(driver, store=True, values=count) is None
+    (launch,) = [call for call in driver.calls if call[0] == "launch" and call[3] == TABLE_KERNEL]
+    assert launch == ("launch", LANES[0], blocks, TABLE_KERNEL, THREADS, SLOT, TABLES, count)
