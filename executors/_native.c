@@ -736,7 +736,7 @@ enum { R_FIRST_REF, R_REFS, R_PAGE_PIECES, R_PAGE_BYTES, R_SIZE, R_DENSE, R_WIDT
  * A staged job planned and queued in one call, for the common job: its rows one consecutive
  * run, every group it moves filling its rows and, for a store, its chunks whole and its pages
  * unpadded. Then it plans as StagePlanner.plan, writes the ids and slice table after the ref
- * table into the slot's pinned view as StagedGpuExecutor._table_slot does, and queues the job
+ * table into the slot's pinned view as StagedGpuExecutor._write_tables does, and queues the job
  * as queue_job, starting on lane `first`; it returns the job's batches and queue_job's answer.
  * For any other job, or a slot too small, it returns (-1, None) having written and queued
  * nothing, and the caller takes the Python path (StagedGpuExecutor._queue_planned), which is

@@ -45,7 +45,7 @@ calls; on the device H200, 256 MiB gave 0.90-0.96 of the link where 128 MiB gave
 half the submit time went to per-batch calls (docs/benchmarks.md)."""
 
 TABLE_SLOTS = 4
-"""Pinned table buffers per direction, taken by jobs in turn (see `_table_slot`)."""
+"""Pinned table buffers per direction, taken by jobs in turn (see `_free_slot`)."""
 
 STAGE_COPY_ARGUMENTS = (
     ctypes.c_uint64,  # slice lines
