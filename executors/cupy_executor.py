@@ -6,6 +6,7 @@ by raw address through `__cuda_array_interface__`, never copying or owning it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,6 +111,8 @@ class CupyExecutor(StagedGpuExecutor):
             raise ExecutorUnavailableError("the cupy executor needs a CUDA device; none is visible")
         self._cupy = cupy
         self._cupyx = importlib.import_module("cupyx")
+        self._device_index: int | None = None
+        """The tensors' CUDA device (-1: not named, the current one), once `_on_device` read it."""
         super().__init__(
             kv_caches=kv_caches,
             blocks_per_chunk=blocks_per_chunk,
@@ -127,8 +130,13 @@ class CupyExecutor(StagedGpuExecutor):
         self._zero_copy_blocks = zero_copy_blocks
 
     def _on_device(self) -> Any:
-        _, _, index = self.device.partition(":")
-        return self._cupy.cuda.Device(int(index)) if index else self._cupy.cuda.Device()
+        index = self._device_index
+        if index is None:  # first use (the base class's constructor): read it from the tensors
+            _, _, number = self.device.partition(":")
+            index = self._device_index = int(number) if number else -1
+        if index < 0 or self._cupy.cuda.runtime.getDevice() == index:
+            return contextlib.nullcontext()  # the usual case, checked once per submit
+        return self._cupy.cuda.Device(index)
 
     def _registrar(self) -> HostRegistrar:
         return CupyRegistrar(self._cupy)
