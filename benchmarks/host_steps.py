@@ -4,8 +4,10 @@ A benchmark, never part of the test suite, and it needs no GPU: the layout is bu
 references alone (nothing is allocated). For target 4's job, a 2048-block x 32-layer load (one
 group of 64 refs, K and V per layer, random block ids, consecutive rows), it times each host
 step of the staged path's `submit()` that does not call the driver: `check_bound`, the
-compiled check the executors run first (`_native.bound_bytes`), and the stage planner; and,
-for scale, one numpy call and one compiled call on the same 2048 integers. Each step runs
+compiled check the executors run first (`_native.bound_bytes`), and the stage planner (which,
+since the eighth session, plans only the jobs `_native.stage_job` declines; that call plans
+the common job, this one among them, in C, with the driver calls, so it is not timed here);
+and, for scale, one numpy call and one compiled call on the same 2048 integers. Each step runs
 `--repeat` times in a hot loop, and as many times right after reading `--sweep-mib` MiB of host
 memory, which pushes the step's code and data out of the CPU caches, as a `wait()` on a long
 transfer does in part (docs/benchmarks.md, seventh session). Medians, in microseconds.
