@@ -384,9 +384,12 @@ class StagedGpuExecutor(Executor):
         k, slot = self._free_slot(direction)
         job, previous = self._new_job(direction, CopyPath.STAGED)
         first = self._next_lane.get(direction, 0)
-        batches = self._queue_compiled(bound, slot, job, previous, first)
+        compute = self._compute_stream_now()
+        batches = self._queue_compiled(bound, slot, job, previous, first=first, compute=compute)
         if batches < 0:
-            slot, batches = self._queue_planned(bound, k, job, previous, first)
+            slot, batches = self._queue_planned(
+                bound, k, job, previous, first=first, compute=compute
+            )
         job.batches = batches
         self._last_job[direction] = job
         self._next_lane[direction] = (first + batches) % 2
@@ -394,10 +397,18 @@ class StagedGpuExecutor(Executor):
         return job
 
     def _queue_compiled(
-        self, bound: BoundPlan, slot: _TableSlot, job: GpuJob, previous: Any, first: int
+        self,
+        bound: BoundPlan,
+        slot: _TableSlot,
+        job: GpuJob,
+        previous: Any,
+        *,
+        first: int,
+        compute: int,
     ) -> int:
         """Plan `bound`, write its tables to the direction's free `slot` and queue it as `job`
-        from lane `first`, after `previous` (an end event, or None), in one compiled call
+        from lane `first`, after `previous` (an end event, or None) and the work queued on raw
+        stream `compute`, in one compiled call
         (`_native.stage_job`); return the job's batches, or -1, having written and queued
         nothing, for a job that call does not cover (see `_enqueue_staged`) or one whose
         tables do not fit the slot."""
@@ -406,7 +417,7 @@ class StagedGpuExecutor(Executor):
         batches, failed = _native.stage_job(
             self._constants.get(direction) or self._job_constants(direction),
             first,
-            self._compute_stream_now(),
+            compute,
             previous,
             job.start,
             job.end,
@@ -421,11 +432,12 @@ class StagedGpuExecutor(Executor):
         return batches
 
     def _queue_planned(
-        self, bound: BoundPlan, k: int, job: GpuJob, previous: Any, first: int
+        self, bound: BoundPlan, k: int, job: GpuJob, previous: Any, *, first: int, compute: int
     ) -> tuple[_TableSlot, int]:
         """Plan `bound` (`StagePlanner.plan`), write its tables to the direction's free slot `k`
         (`_write_tables`) and queue it as `job` from lane `first` (`_native.queue_job`), after
-        `previous` (an end event, or None); return the slot and the job's batches. What
+        `previous` (an end event, or None) and the work queued on raw stream `compute`; return
+        the slot and the job's batches. What
         `_native.stage_job` does in one call for the common job, step by step, for every job."""
         direction = bound.plan.direction
         plan = self._planner.plan(bound)
@@ -441,7 +453,7 @@ class StagedGpuExecutor(Executor):
         failed = _native.queue_job(
             self._driver_calls(),
             lanes,
-            self._compute_stream_now(),
+            compute,
             (
                 self._ready[direction],
                 previous,

@@ -28,6 +28,8 @@ from kvferry.executors.staging import StagePlanner
 pytest.importorskip("torch")
 
 NAME = "recording-staged"
+COMPUTE = 5
+"""The raw compute stream both paths are given."""
 
 
 class RecordingExecutor(TorchOnCpuExecutor):
@@ -135,11 +137,13 @@ def _both_paths(
     job = GpuJob(start=object(), end=object(), keep=[], path=CopyPath.STAGED)
     previous = object() if after_previous else None
     executor.calls.clear()
-    compiled = executor._queue_compiled(bound, slot, job, previous, first)
+    compiled = executor._queue_compiled(bound, slot, job, previous, first=first, compute=COMPUTE)
     compiled_calls, compiled_view = list(executor.calls), slot.view[refs:].copy()
     slot.view[refs:] = -1
     executor.calls.clear()
-    planned_slot, planned = executor._queue_planned(bound, k, job, previous, first)
+    planned_slot, planned = executor._queue_planned(
+        bound, k, job, previous, first=first, compute=COMPUTE
+    )
     planned_calls = list(executor.calls)
     planned_view = planned_slot.view[refs:].copy()
     executor._tables[direction][k] = slot  # the next example starts from the same slots
@@ -239,7 +243,7 @@ def test_tables_that_do_not_fit_the_slot_are_declined() -> None:
     original = slot.job_tables
     try:
         object.__setattr__(slot, "job_tables", cramped)
-        assert executor._queue_compiled(bound, slot, job, None, 0) == -1
+        assert executor._queue_compiled(bound, slot, job, None, first=0, compute=COMPUTE) == -1
     finally:
         object.__setattr__(slot, "job_tables", original)
     assert executor.calls == []
