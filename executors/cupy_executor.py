@@ -142,19 +142,8 @@ class CupyExecutor(StagedGpuExecutor):
         return CupyRegistrar(self._cupy)
 
     def _as_stream(self, stream: Any) -> Any:
-        """Return `stream` as a CuPy stream: None, a CuPy stream, a raw handle or a torch stream.
-
-        Objects that speak the CUDA stream protocol (`__cuda_stream__`) go through
-        `Stream.from_external` where CuPy has it; others are wrapped by their raw handle.
-        """
-        cuda = self._cupy.cuda
-        if stream is None or isinstance(stream, cuda.Stream | cuda.ExternalStream):
-            return stream
-        from_external = getattr(cuda.Stream, "from_external", None)
-        if from_external is not None and hasattr(stream, "__cuda_stream__"):
-            return from_external(stream)
-        handle = getattr(stream, "cuda_stream", stream)
-        return cuda.ExternalStream(int(handle))
+        """Return `stream` as a CuPy stream (`as_cupy_stream`)."""
+        return as_cupy_stream(self._cupy, stream)
 
     def choose_path(self, bound: BoundPlan) -> CopyPath:
         """Return the copy path for one transfer (the configured one, or what its function says)."""
@@ -229,3 +218,19 @@ class CupyExecutor(StagedGpuExecutor):
                 )
         self._end(direction, job, 1)  # one kernel, on the first lane
         return job
+
+
+def as_cupy_stream(cupy: Any, stream: Any) -> Any:
+    """Return `stream` as a CuPy stream: None, a CuPy stream, a raw handle or a torch stream.
+
+    Objects that speak the CUDA stream protocol (`__cuda_stream__`) go through
+    `Stream.from_external` where CuPy has it; others are wrapped by their raw handle.
+    """
+    cuda = cupy.cuda
+    if stream is None or isinstance(stream, cuda.Stream | cuda.ExternalStream):
+        return stream
+    from_external = getattr(cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    handle = getattr(stream, "cuda_stream", stream)
+    return cuda.ExternalStream(int(handle))
