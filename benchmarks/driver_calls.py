@@ -10,6 +10,15 @@ tenth percentile and the median per call. A ctypes call into libc is the floor o
 this way from Python. The typed copies (`cuMemcpyHtoDAsync_v2`, `cuMemcpyDtoHAsync_v2`) are
 measured beside `cuMemcpyAsync`, which the staged path uses for both directions.
 
+It also measures what a CUDA graph of a staged job's shape would cost instead: a graph of a
+nine-batch load (the table upload's launch, then per batch a DMA into a staging half and the
+scatter launch after it, batch k's DMA after batch k - 2's scatter), instantiated once, then per
+job `cuGraphExecMemcpyNodeSetParams` (a DMA's new host address), `cuGraphExecKernelNodeSetParams`
+and `cuGraphLaunch` of the whole graph. The last lines put the per-call medians together into a
+job's driver time both ways: the 27 calls the staged path makes for nine batches, against a
+graph launch with its nine DMA updates (kernels that read their arguments from the job's
+uploaded table need no update) and the job's event calls.
+
     python3 benchmarks/driver_calls.py
 """
 
@@ -94,6 +103,16 @@ def _calls(torch: Any, cupy: Any, calls: int) -> dict[str, Callable[[int], int]]
         return int(lib.cuLaunchKernel(empty, 128, 1, 1, 256, 1, 1, 0, stream, params, None))
 
     _KEEP.extend((device, host, kernel))  # alive while the calls run
+    graph = _graph_calls(
+        lib,
+        empty,
+        params,
+        device=device.data_ptr(),
+        host=host.data_ptr(),
+        pages=calls,
+        page=page,
+        stream=stream,
+    )
     return {
         "cuMemcpyAsync H2D 4 KiB": copy("cuMemcpyAsync", True),
         "cuMemcpyHtoDAsync_v2 4 KiB": copy("cuMemcpyHtoDAsync_v2", True),
@@ -103,7 +122,161 @@ def _calls(torch: Any, cupy: Any, calls: int) -> dict[str, Callable[[int], int]]
         "cuEventRecord": lambda i: int(lib.cuEventRecord(event, stream)),
         "cuStreamWaitEvent": lambda i: int(lib.cuStreamWaitEvent(stream, event, 0)),
         "ctypes call into libc (floor)": lambda i: 0 * int(libc.abs(i)),
+        **graph,
     }
+
+
+BATCHES = 9
+"""Batches of the graph: a 2048-block x 32-layer load of 16 KiB pages through 2 x 128 MiB."""
+
+
+class _Memcpy3D(ctypes.Structure):
+    """CUDA_MEMCPY3D (cuda.h, CUDA 12 and 13)."""
+
+    _fields_ = [
+        *[(f"src{n}", ctypes.c_size_t) for n in ("XInBytes", "Y", "Z", "LOD")],
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("reserved0", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("srcHeight", ctypes.c_size_t),
+        *[(f"dst{n}", ctypes.c_size_t) for n in ("XInBytes", "Y", "Z", "LOD")],
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("reserved1", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("dstHeight", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+        ("Depth", ctypes.c_size_t),
+    ]
+
+
+class _KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h)."""
+
+    _fields_ = [
+        ("func", ctypes.c_void_p),
+        *[(f"{n}", ctypes.c_uint) for n in ("gridDimX", "gridDimY", "gridDimZ")],
+        *[(f"{n}", ctypes.c_uint) for n in ("blockDimX", "blockDimY", "blockDimZ")],
+        ("sharedMemBytes", ctypes.c_uint),
+        ("kernelParams", ctypes.c_void_p),
+        ("extra", ctypes.c_void_p),
+        ("kern", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+    ]
+
+
+def _graph_calls(
+    lib: Any,
+    kernel: Any,
+    params: Any,
+    *,
+    device: int,
+    host: int,
+    pages: int,
+    page: int,
+    stream: Any,
+) -> dict[str, Callable[[int], int]]:
+    """Build and instantiate the nine-batch load graph (module docstring) on 4 KiB DMAs and the
+    empty kernel; return its per-job calls, as functions of the call's index."""
+    check = _checked
+    # a 4 KiB DMA per batch into one of two staging pages, from one of `pages` host pages
+    context = ctypes.c_void_p()
+    check(lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+    graph = ctypes.c_void_p()
+    check(lib.cuGraphCreate(ctypes.byref(graph), 0), "cuGraphCreate")
+    launch = _KernelNodeParams(kernel.value, 128, 1, 1, 256, 1, 1, 0, params, None, None, None)
+
+    def add_kernel(after: list[ctypes.c_void_p]) -> ctypes.c_void_p:
+        node = ctypes.c_void_p()
+        deps = (ctypes.c_void_p * len(after))(*[d.value for d in after])
+        status = lib.cuGraphAddKernelNode_v2(
+            ctypes.byref(node), graph, deps, len(after), ctypes.byref(launch)
+        )
+        check(status, "cuGraphAddKernelNode_v2")
+        return node
+
+    def dma(i: int, half: int) -> _Memcpy3D:
+        copy = _Memcpy3D()
+        copy.srcMemoryType, copy.srcHost = 1, host + (i % pages) * page  # CU_MEMORYTYPE_HOST
+        copy.dstMemoryType, copy.dstDevice = 2, device + half * page  # CU_MEMORYTYPE_DEVICE
+        copy.WidthInBytes, copy.Height, copy.Depth = page, 1, 1
+        return copy
+
+    upload = add_kernel([])
+    copies: list[ctypes.c_void_p] = []
+    scatters: list[ctypes.c_void_p] = []
+    for k in range(BATCHES):
+        node = ctypes.c_void_p()
+        after = [upload] if k < 2 else [scatters[k - 2]]
+        deps = (ctypes.c_void_p * len(after))(*[d.value for d in after])
+        status = lib.cuGraphAddMemcpyNode(
+            ctypes.byref(node), graph, deps, len(after), ctypes.byref(dma(k, k % 2)), context
+        )
+        check(status, "cuGraphAddMemcpyNode")
+        copies.append(node)
+        scatters.append(add_kernel([node]))
+    executable = ctypes.c_void_p()
+    check(
+        lib.cuGraphInstantiateWithFlags(ctypes.byref(executable), graph, ctypes.c_uint64(0)),
+        "cuGraphInstantiateWithFlags",
+    )
+    lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    updates = [dma(i, i % 2) for i in range(pages)]
+    _KEEP.extend((graph, executable, launch, copies, scatters, updates))
+
+    def set_copy(i: int) -> int:
+        node = copies[i % BATCHES]
+        return int(
+            lib.cuGraphExecMemcpyNodeSetParams(
+                executable, node, ctypes.byref(updates[i % pages]), context
+            )
+        )
+
+    def set_kernel(i: int) -> int:
+        node = scatters[i % BATCHES]
+        return int(lib.cuGraphExecKernelNodeSetParams_v2(executable, node, ctypes.byref(launch)))
+
+    return {
+        GRAPH_COPY: set_copy,
+        GRAPH_KERNEL: set_kernel,
+        GRAPH_LAUNCH: lambda i: int(lib.cuGraphLaunch(executable, stream)),
+    }
+
+
+GRAPH_COPY = "cuGraphExecMemcpyNodeSetParams"
+GRAPH_KERNEL = "cuGraphExecKernelNodeSetParams"
+GRAPH_LAUNCH = f"cuGraphLaunch, {2 * BATCHES + 1} nodes"
+
+
+def _checked(status: int, call: str) -> None:
+    if status:
+        raise RuntimeError(f"{call} failed: CUDA driver error {status}")
+
+
+def job_estimates(median_us: dict[str, float]) -> list[str]:
+    """Return the lines that put the per-call medians together into a nine-batch job's driver
+    time, made call by call as the staged path does and as one graph launch."""
+    copy, launch = median_us["cuMemcpyAsync H2D 4 KiB"], median_us["cuLaunchKernel, 128 blocks"]
+    record, wait = median_us["cuEventRecord"], median_us["cuStreamWaitEvent"]
+    # the staged path: per batch a DMA and a launch; per job the upload launch, 5 records and
+    # 4 waits (begin, upload, the wait for the previous job, finish)
+    direct = BATCHES * (copy + launch) + launch + 5 * record + 4 * wait
+    # a graph: per batch one DMA update; per job the launch, 3 records and 2 waits (the
+    # compute stream's event and the previous job's, start and end)
+    graph = BATCHES * median_us[GRAPH_COPY] + median_us[GRAPH_LAUNCH] + 3 * record + 2 * wait
+    with_kernels = graph + BATCHES * median_us[GRAPH_KERNEL]
+    return [
+        f"nine-batch load job, driver time from these medians: call by call (the staged path's "
+        f"{2 * BATCHES + 10} calls) {direct:.0f} us",
+        f"  as a graph: 9 DMA updates + launch + 5 event calls {graph:.0f} us; "
+        f"with 9 kernel updates too {with_kernels:.0f} us",
+    ]
 
 
 _KEEP: list[Any] = []
@@ -123,10 +296,14 @@ def main() -> int:
 
     calls = _calls(torch, cupy, args.calls)
     print(f"{args.calls} calls back to back, {args.repeat} runs; microseconds per call")
+    medians = {}
     for name, call in calls.items():
         runs = _per_call(call, args.calls, args.repeat, torch.cuda.synchronize)
         p10, median = runs[len(runs) // 10], runs[len(runs) // 2]
-        print(f"{name:<30} p10 {p10 * 1e6:5.2f}  median {median * 1e6:5.2f}")
+        medians[name] = median * 1e6
+        print(f"{name:<32} p10 {p10 * 1e6:6.2f}  median {median * 1e6:6.2f}")
+    for line in job_estimates(medians):
+        print(line)
     return 0
 
 
