@@ -190,7 +190,8 @@ def _graph_calls(
     check(lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
     graph = ctypes.c_void_p()
     check(lib.cuGraphCreate(ctypes.byref(graph), 0), "cuGraphCreate")
-    launch = _KernelNodeParams(kernel.value, 128, 1, 1, 256, 1, 1, 0, params, None, None, None)
+    arguments = ctypes.cast(params, ctypes.c_void_p)
+    launch = _KernelNodeParams(kernel.value, 128, 1, 1, 256, 1, 1, 0, arguments, None, None, None)
 
     def add_kernel(after: list[ctypes.c_void_p]) -> ctypes.c_void_p:
         node = ctypes.c_void_p()
