@@ -122,7 +122,7 @@ class CupyExecutor(StagedGpuExecutor):
             kernel_priority=kernel_priority,
         )
         with self._on_device():
-            self._compute_stream = self._as_stream(compute_stream)
+            self._compute_stream = as_cupy_stream(cupy, compute_stream)
             self._kernels: list[Any] = []
             """The `RawKernel`s compiled for the staged path (their modules live as they do)."""
             self._zero_copy_kernel = cupy.RawKernel(ZERO_COPY_SOURCE, ZERO_COPY_NAME)
@@ -140,10 +140,6 @@ class CupyExecutor(StagedGpuExecutor):
 
     def _registrar(self) -> HostRegistrar:
         return CupyRegistrar(self._cupy)
-
-    def _as_stream(self, stream: Any) -> Any:
-        """Return `stream` as a CuPy stream (`as_cupy_stream`)."""
-        return as_cupy_stream(self._cupy, stream)
 
     def choose_path(self, bound: BoundPlan) -> CopyPath:
         """Return the copy path for one transfer (the configured one, or what its function says)."""
