@@ -17,7 +17,9 @@ job `cuGraphExecMemcpyNodeSetParams` (a DMA's new host address), `cuGraphExecKer
 and `cuGraphLaunch` of the whole graph. The last lines put the per-call medians together into a
 job's driver time both ways: the 27 calls the staged path makes for nine batches, against a
 graph launch with its nine DMA updates (kernels that read their arguments from the job's
-uploaded table need no update) and the job's event calls.
+uploaded table need no update) and the job's event calls. Last, it makes a whole job's calls
+both ways right after the host waited for ~20 ms of GPU work, as target 4b's submit runs, the
+two ways alternating (`--jobs` times each): thread CPU time and wall clock, p10/50/90.
 
     python3 benchmarks/driver_calls.py
 """
@@ -57,8 +59,11 @@ def _per_call(
     return sorted(runs)
 
 
-def _calls(torch: Any, cupy: Any, calls: int) -> dict[str, Callable[[int], int]]:
-    """Return each measured call, as a function of its index (so copies do not overlap)."""
+def _calls(
+    torch: Any, cupy: Any, calls: int
+) -> tuple[dict[str, Callable[[int], None]], dict[str, Callable[[int], int]]]:
+    """Return a whole nine-batch load made both ways (`_whole_jobs`), and each measured call, as
+    a function of its index (so copies do not overlap)."""
     lib = ctypes.CDLL("libcuda.so.1")
     nbytes = calls * 4 * KIB
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -103,7 +108,7 @@ def _calls(torch: Any, cupy: Any, calls: int) -> dict[str, Callable[[int], int]]
         return int(lib.cuLaunchKernel(empty, 128, 1, 1, 256, 1, 1, 0, stream, params, None))
 
     _KEEP.extend((device, host, kernel))  # alive while the calls run
-    graph = _graph_calls(
+    graph = _build_graph(
         lib,
         empty,
         params,
@@ -111,9 +116,11 @@ def _calls(torch: Any, cupy: Any, calls: int) -> dict[str, Callable[[int], int]]
         host=host.data_ptr(),
         pages=calls,
         page=page,
-        stream=stream,
     )
-    return {
+    jobs = _whole_jobs(
+        torch, lib, empty, params, graph=graph, device=device.data_ptr(), host=host.data_ptr()
+    )
+    return jobs, {
         "cuMemcpyAsync H2D 4 KiB": copy("cuMemcpyAsync", True),
         "cuMemcpyHtoDAsync_v2 4 KiB": copy("cuMemcpyHtoDAsync_v2", True),
         "cuMemcpyAsync D2H 4 KiB": copy("cuMemcpyAsync", False),
@@ -122,7 +129,9 @@ def _calls(torch: Any, cupy: Any, calls: int) -> dict[str, Callable[[int], int]]
         "cuEventRecord": lambda i: int(lib.cuEventRecord(event, stream)),
         "cuStreamWaitEvent": lambda i: int(lib.cuStreamWaitEvent(stream, event, 0)),
         "ctypes call into libc (floor)": lambda i: 0 * int(libc.abs(i)),
-        **graph,
+        GRAPH_COPY: graph.set_copy,
+        GRAPH_KERNEL: graph.set_kernel,
+        GRAPH_LAUNCH: lambda i: graph.launch(stream),
     }
 
 
@@ -171,7 +180,7 @@ class _KernelNodeParams(ctypes.Structure):
     ]
 
 
-def _graph_calls(
+def _build_graph(
     lib: Any,
     kernel: Any,
     params: Any,
@@ -180,10 +189,9 @@ def _graph_calls(
     host: int,
     pages: int,
     page: int,
-    stream: Any,
-) -> dict[str, Callable[[int], int]]:
+) -> _Graph:
     """Build and instantiate the nine-batch load graph (module docstring) on 4 KiB DMAs and the
-    empty kernel; return its per-job calls, as functions of the call's index."""
+    empty kernel; return it."""
     check = _checked
     # a 4 KiB DMA per batch into one of two staging pages, from one of `pages` host pages
     context = ctypes.c_void_p()
@@ -231,23 +239,115 @@ def _graph_calls(
     updates = [dma(i, i % 2) for i in range(pages)]
     _KEEP.extend((graph, executable, launch, copies, scatters, updates))
 
-    def set_copy(i: int) -> int:
-        node = copies[i % BATCHES]
+    return _Graph(lib, executable, context, copies, scatters, updates, launch)
+
+
+class _Graph:
+    """The nine-batch graph, instantiated: its per-job calls."""
+
+    def __init__(self, lib: Any, executable: Any, context: Any, *parts: Any) -> None:
+        self._lib, self._executable, self._context = lib, executable, context
+        self._copies, self._scatters, self._updates, self._launch = parts
+
+    def set_copy(self, i: int) -> int:
+        """Give batch `i % BATCHES`'s DMA the `i`-th host page; return the driver's status."""
+        node = self._copies[i % BATCHES]
+        update = ctypes.byref(self._updates[i % len(self._updates)])
         return int(
-            lib.cuGraphExecMemcpyNodeSetParams(
-                executable, node, ctypes.byref(updates[i % pages]), context
-            )
+            self._lib.cuGraphExecMemcpyNodeSetParams(self._executable, node, update, self._context)
         )
 
-    def set_kernel(i: int) -> int:
-        node = scatters[i % BATCHES]
-        return int(lib.cuGraphExecKernelNodeSetParams_v2(executable, node, ctypes.byref(launch)))
+    def set_kernel(self, i: int) -> int:
+        """Set batch `i % BATCHES`'s launch again; return the driver's status."""
+        node = self._scatters[i % BATCHES]
+        launch = ctypes.byref(self._launch)
+        return int(self._lib.cuGraphExecKernelNodeSetParams_v2(self._executable, node, launch))
 
-    return {
-        GRAPH_COPY: set_copy,
-        GRAPH_KERNEL: set_kernel,
-        GRAPH_LAUNCH: lambda i: int(lib.cuGraphLaunch(executable, stream)),
-    }
+    def launch(self, stream: Any) -> int:
+        """Launch the graph on `stream`; return the driver's status."""
+        return int(self._lib.cuGraphLaunch(self._executable, stream))
+
+
+def _whole_jobs(
+    torch: Any, lib: Any, kernel: Any, params: Any, *, graph: _Graph, device: int, host: int
+) -> dict[str, Callable[[int], None]]:
+    """Return the `i`-th nine-batch load's driver calls, made call by call as `_native.queue`
+    makes them (28 calls on a compute stream and two lanes) and through the graph (the job's
+    event calls, nine DMA updates, ten kernel updates, the launch)."""
+    compute, lane0, lane1 = (ctypes.c_void_p(torch.cuda.Stream().cuda_stream) for _ in range(3))
+    events = {}
+    for name, flags in (("ready", 2), ("uploaded", 2), ("joined", 2), ("previous", 2)):
+        events[name] = ctypes.c_void_p()
+        _checked(lib.cuEventCreate(ctypes.byref(events[name]), flags), "cuEventCreate")
+    for name in ("start", "end"):  # timing events, as a job's
+        events[name] = ctypes.c_void_p()
+        _checked(lib.cuEventCreate(ctypes.byref(events[name]), 0), "cuEventCreate")
+    _checked(lib.cuEventRecord(events["previous"], compute), "cuEventRecord")
+    _KEEP.append((compute, lane0, lane1, events))
+    record, wait, copy = lib.cuEventRecord, lib.cuStreamWaitEvent, lib.cuMemcpyAsync
+    launch, page = lib.cuLaunchKernel, 4 * KIB
+
+    def run(status: int) -> None:
+        _checked(status, "a nine-batch job's call")
+
+    def call_by_call(i: int) -> None:
+        run(record(events["ready"], compute))
+        run(wait(lane0, events["ready"], 0))
+        run(record(events["start"], lane0))
+        run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane0, params, None))  # the tables
+        run(record(events["uploaded"], lane0))
+        run(wait(lane1, events["uploaded"], 0))
+        for k in range(BATCHES):
+            lane = (lane0, lane1)[k % 2]
+            run(copy(device + (k % 2) * page, host + k * page, page, lane))
+            if k == 0:
+                run(wait(lane, events["previous"], 0))
+            run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane, params, None))
+        run(record(events["joined"], lane1))
+        run(wait(lane0, events["joined"], 0))
+        run(record(events["end"], lane0))
+
+    def through_the_graph(i: int) -> None:
+        run(record(events["ready"], compute))
+        run(wait(lane0, events["ready"], 0))
+        run(wait(lane0, events["previous"], 0))
+        run(record(events["start"], lane0))
+        for k in range(BATCHES):
+            run(graph.set_copy(i * BATCHES + k))
+        for k in range(BATCHES + 1):  # the scatters and the table copy
+            run(graph.set_kernel(k))
+        run(graph.launch(lane0))
+        run(record(events["end"], lane0))
+
+    return {"call by call (28 calls)": call_by_call, "as a graph": through_the_graph}
+
+
+def after_wait(torch: Any, jobs: dict[str, Callable[[int], None]], repeat: int) -> list[str]:
+    """Return, for each way of making a nine-batch load's calls (`jobs`), the p10 / median /
+    p90 microseconds of thread CPU time and wall clock it took right after the host waited for
+    ~20 ms of GPU work, the ways alternating, `repeat` times each."""
+    seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in jobs}
+    for i in range(repeat):
+        for name, job in jobs.items():
+            torch.cuda._sleep(40_000_000)  # ~20 ms of one spinning thread on the GPU
+            torch.cuda.synchronize()
+            wall, cpu = time.perf_counter(), time.thread_time()
+            job(i)
+            seconds[name].append((time.thread_time() - cpu, time.perf_counter() - wall))
+            torch.cuda.synchronize()
+    lines = []
+    for name, pairs in seconds.items():
+        cpu, wall = (sorted(p[j] for p in pairs) for j in (0, 1))
+        n = len(pairs)
+        picks = [n // 10, n // 2, (9 * n) // 10]
+        lines.append(
+            f"nine-batch load after a wait, {name}: cpu "
+            + "/".join(f"{1e6 * cpu[k]:.0f}" for k in picks)
+            + " us, wall "
+            + "/".join(f"{1e6 * wall[k]:.0f}" for k in picks)
+            + " us (p10/50/90)"
+        )
+    return lines
 
 
 GRAPH_COPY = "cuGraphExecMemcpyNodeSetParams"
@@ -289,13 +389,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--jobs", type=int, default=30, help="whole jobs each way, after a wait")
     args = parser.parse_args()
     torch = cuda_torch("driver_calls.py")
     if torch is None:
         return 0
     import cupy
 
-    calls = _calls(torch, cupy, args.calls)
+    jobs, calls = _calls(torch, cupy, args.calls)
     print(f"{args.calls} calls back to back, {args.repeat} runs; microseconds per call")
     medians = {}
     for name, call in calls.items():
@@ -303,7 +404,7 @@ def main() -> int:
         p10, median = runs[len(runs) // 10], runs[len(runs) // 2]
         medians[name] = median * 1e6
         print(f"{name:<32} p10 {p10 * 1e6:6.2f}  median {median * 1e6:6.2f}")
-    for line in job_estimates(medians):
+    for line in job_estimates(medians) + after_wait(torch, jobs, args.jobs):
         print(line)
     return 0
 
