@@ -139,29 +139,27 @@ BATCHES = 9
 """Batches of the graph: a 2048-block x 32-layer load of 16 KiB pages through 2 x 128 MiB."""
 
 
+def _memcpy_side(side: str, reserved: str) -> list[tuple[str, Any]]:
+    """Return the fields of one side (`src` or `dst`) of CUDA_MEMCPY3D, in cuda.h's order."""
+    return [
+        *[(f"{side}{n}", ctypes.c_size_t) for n in ("XInBytes", "Y", "Z", "LOD")],
+        (f"{side}MemoryType", ctypes.c_int),
+        (f"{side}Host", ctypes.c_void_p),
+        (f"{side}Device", ctypes.c_uint64),
+        (f"{side}Array", ctypes.c_void_p),
+        (reserved, ctypes.c_void_p),
+        (f"{side}Pitch", ctypes.c_size_t),
+        (f"{side}Height", ctypes.c_size_t),
+    ]
+
+
 class _Memcpy3D(ctypes.Structure):
     """CUDA_MEMCPY3D (cuda.h, CUDA 12 and 13)."""
 
     _fields_ = [
-        *[(f"src{n}", ctypes.c_size_t) for n in ("XInBytes", "Y", "Z", "LOD")],
-        ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("reserved0", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("srcHeight", ctypes.c_size_t),
-        *[(f"dst{n}", ctypes.c_size_t) for n in ("XInBytes", "Y", "Z", "LOD")],
-        ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("reserved1", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("dstHeight", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-        ("Depth", ctypes.c_size_t),
+        *_memcpy_side("src", "reserved0"),
+        *_memcpy_side("dst", "reserved1"),
+        *[(n, ctypes.c_size_t) for n in ("WidthInBytes", "Height", "Depth")],
     ]
 
 
