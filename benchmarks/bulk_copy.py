@@ -454,7 +454,9 @@ def main() -> int:
         _warm_up(jobs)
     rounds = run_rounds(torch, {**references, **sources}, matmul, args=args, bidir=run.bidir)
     lines, summary = report_rounds(
-        rounds, [*references, *sources], label="bulk copies by rounds (not a kvferry path)"
+        rounds,
+        [*references, *sources],
+        labels=dict.fromkeys(sources, "bulk copies by rounds (not a kvferry path)"),
     )
     for line in lines + summary:
         print(line)

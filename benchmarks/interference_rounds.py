@@ -190,10 +190,11 @@ def main() -> int:
 def report_rounds(
     rounds: list[dict[str, dict[str, Any]]],
     variants: list[str],
-    label: str = "target 3 by rounds",
+    labels: dict[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Return the per-arm table lines and the summary lines: one per arm against target 3's
-    bars, each headed `label` and the arm, then one per reference arm (`FLOORS`)."""
+    bars, each headed by the arm's label in `labels` ("target 3 by rounds" where it has none)
+    and the arm, then one per reference arm (`FLOORS`)."""
     header = (
         f"{'arm':<20} {'slowdown med':>11} {'95 % interval':>17} {'combined':>8} "
         f"{'SM MHz':>7} {'power W':>7}  per round (%)"
@@ -235,7 +236,7 @@ def report_rounds(
             continue
         meets = median <= SLOWDOWN_TARGET and combined >= COMBINED_TARGET
         summary.append(
-            f"{label}, {variant}: {measured} -> "
+            f"{(labels or {}).get(variant, 'target 3 by rounds')}, {variant}: {measured} -> "
             + ("PASS" if meets else "FAIL")
             + f" (bars: <= {100 * SLOWDOWN_TARGET:.0f} %, >= {COMBINED_TARGET:.2f})"
         )
