@@ -18,8 +18,9 @@ and `cuGraphLaunch` of the whole graph. The last lines put the per-call medians 
 job's driver time both ways: the 27 calls the staged path makes for nine batches, against a
 graph launch with its nine DMA updates (kernels that read their arguments from the job's
 uploaded table need no update) and the job's event calls. Last, it makes a whole job's calls
-both ways right after the host waited for ~20 ms of GPU work, as target 4b's submit runs, the
-two ways alternating (`--jobs` times each): thread CPU time and wall clock, p10/50/90.
+both ways right after the host waited for ~20 ms of GPU work, as target 4b's submit runs (three
+ways of waiting), and again at once after that, the ways alternating (`--jobs` times each):
+thread CPU time and wall clock, p10/50/90.
 
     python3 benchmarks/driver_calls.py
 """
@@ -323,29 +324,55 @@ def _whole_jobs(
 def after_wait(torch: Any, jobs: dict[str, Callable[[int], None]], repeat: int) -> list[str]:
     """Return, for each way of making a nine-batch load's calls (`jobs`), the p10 / median /
     p90 microseconds of thread CPU time and wall clock it took right after the host waited for
-    ~20 ms of GPU work, the ways alternating, `repeat` times each."""
-    seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in jobs}
+    ~20 ms of GPU work, for each way of waiting (`WAITS`), and made again at once after that;
+    the ways alternating, `repeat` times each."""
+    seconds: dict[str, list[tuple[float, float]]] = {}
     for i in range(repeat):
-        for name, job in jobs.items():
-            torch.cuda._sleep(40_000_000)  # ~20 ms of one spinning thread on the GPU
-            torch.cuda.synchronize()
-            wall, cpu = time.perf_counter(), time.thread_time()
-            job(i)
-            seconds[name].append((time.thread_time() - cpu, time.perf_counter() - wall))
-            torch.cuda.synchronize()
+        for wait_name, wait in WAITS.items():
+            for name, job in jobs.items():
+                for when in ("after a wait", "again at once"):
+                    if when == "after a wait":
+                        torch.cuda._sleep(40_000_000)  # ~20 ms of one spinning thread on the GPU
+                        wait(torch)
+                    wall, cpu = time.perf_counter(), time.thread_time()
+                    job(i)
+                    measured = (time.thread_time() - cpu, time.perf_counter() - wall)
+                    seconds.setdefault(f"{name}, {when} ({wait_name})", []).append(measured)
+                torch.cuda.synchronize()
     lines = []
     for name, pairs in seconds.items():
         cpu, wall = (sorted(p[j] for p in pairs) for j in (0, 1))
         n = len(pairs)
         picks = [n // 10, n // 2, (9 * n) // 10]
         lines.append(
-            f"nine-batch load after a wait, {name}: cpu "
+            f"nine-batch load, {name}: cpu "
             + "/".join(f"{1e6 * cpu[k]:.0f}" for k in picks)
             + " us, wall "
             + "/".join(f"{1e6 * wall[k]:.0f}" for k in picks)
             + " us (p10/50/90)"
         )
     return lines
+
+
+def _event_synchronize(torch: Any) -> None:
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+
+
+def _event_poll(torch: Any) -> None:
+    event = torch.cuda.Event()
+    event.record()
+    while not event.query():
+        pass
+
+
+WAITS: dict[str, Callable[[Any], None]] = {
+    "device synchronize": lambda torch: torch.cuda.synchronize(),
+    "event synchronize, as the executors wait": _event_synchronize,
+    "polling the event from Python": _event_poll,
+}
+"""The ways `after_wait` waits for the GPU before a job."""
 
 
 GRAPH_COPY = "cuGraphExecMemcpyNodeSetParams"
@@ -387,7 +414,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--jobs", type=int, default=30, help="whole jobs each way, after a wait")
+    parser.add_argument("--jobs", type=int, default=20, help="whole jobs each way, after a wait")
     args = parser.parse_args()
     torch = cuda_torch("driver_calls.py")
     if torch is None:
