@@ -20,7 +20,7 @@ graph launch with its nine DMA updates (kernels that read their arguments from t
 uploaded table need no update) and the job's event calls. Last, it makes a whole job's calls
 both ways right after the host waited for ~20 ms of GPU work, as target 4b's submit runs (three
 ways of waiting), and again at once after that, the ways alternating (`--jobs` times each):
-thread CPU time and wall clock, p10/50/90. `--profile` times each call of such a job instead.
+thread CPU time and wall clock, p10/50/90.
 
     python3 benchmarks/driver_calls.py
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -62,10 +61,10 @@ def _per_call(
 
 
 def _calls(
-    torch: Any, cupy: Any, calls: int, marks: list[tuple[str, float]] | None = None
+    torch: Any, cupy: Any, calls: int
 ) -> tuple[dict[str, Callable[[int], None]], dict[str, Callable[[int], int]]]:
-    """Return a whole nine-batch load made both ways (`_whole_jobs`, with `marks`), and each
-    measured call, as a function of its index (so copies do not overlap)."""
+    """Return a whole nine-batch load made both ways (`_whole_jobs`), and each measured call, as
+    a function of its index (so copies do not overlap)."""
     lib = ctypes.CDLL("libcuda.so.1")
     nbytes = calls * 4 * KIB
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -120,14 +119,7 @@ def _calls(
         page=page,
     )
     jobs = _whole_jobs(
-        torch,
-        lib,
-        empty,
-        params,
-        graph=graph,
-        device=device.data_ptr(),
-        host=host.data_ptr(),
-        marks=marks,
+        torch, lib, empty, params, graph=graph, device=device.data_ptr(), host=host.data_ptr()
     )
     return jobs, {
         "cuMemcpyAsync H2D 4 KiB": copy("cuMemcpyAsync", True),
@@ -276,20 +268,11 @@ class _Graph:
 
 
 def _whole_jobs(
-    torch: Any,
-    lib: Any,
-    kernel: Any,
-    params: Any,
-    *,
-    graph: _Graph,
-    device: int,
-    host: int,
-    marks: list[tuple[str, float]] | None,
+    torch: Any, lib: Any, kernel: Any, params: Any, *, graph: _Graph, device: int, host: int
 ) -> dict[str, Callable[[int], None]]:
     """Return the `i`-th nine-batch load's driver calls, made call by call as `_native.queue`
     makes them (28 calls on a compute stream and two lanes) and through the graph (the job's
-    event calls, nine DMA updates, ten kernel updates, the launch). With `marks`, each call
-    appends its name and the clock when it returned."""
+    event calls, nine DMA updates, ten kernel updates, the launch)."""
     compute, lane0, lane1 = (ctypes.c_void_p(torch.cuda.Stream().cuda_stream) for _ in range(3))
     events = {}
     for name, flags in (("ready", 2), ("uploaded", 2), ("joined", 2), ("previous", 2)):
@@ -303,39 +286,37 @@ def _whole_jobs(
     record, wait, copy = lib.cuEventRecord, lib.cuStreamWaitEvent, lib.cuMemcpyAsync
     launch, page = lib.cuLaunchKernel, 4 * KIB
 
-    def run(status: int, name: str) -> None:
-        _checked(status, name)
-        if marks is not None:
-            marks.append((name, time.perf_counter()))
+    def run(status: int) -> None:
+        _checked(status, "a nine-batch job's call")
 
     def call_by_call(i: int) -> None:
-        run(record(events["ready"], compute), "record ready")
-        run(wait(lane0, events["ready"], 0), "wait ready")
-        run(record(events["start"], lane0), "record start")
-        run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane0, params, None), "launch table copy")
-        run(record(events["uploaded"], lane0), "record uploaded")
-        run(wait(lane1, events["uploaded"], 0), "wait uploaded")
+        run(record(events["ready"], compute))
+        run(wait(lane0, events["ready"], 0))
+        run(record(events["start"], lane0))
+        run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane0, params, None))  # the tables
+        run(record(events["uploaded"], lane0))
+        run(wait(lane1, events["uploaded"], 0))
         for k in range(BATCHES):
             lane = (lane0, lane1)[k % 2]
-            run(copy(device + (k % 2) * page, host + k * page, page, lane), f"DMA {k}")
+            run(copy(device + (k % 2) * page, host + k * page, page, lane))
             if k == 0:
-                run(wait(lane, events["previous"], 0), "wait previous")
-            run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane, params, None), f"launch {k}")
-        run(record(events["joined"], lane1), "record joined")
-        run(wait(lane0, events["joined"], 0), "wait joined")
-        run(record(events["end"], lane0), "record end")
+                run(wait(lane, events["previous"], 0))
+            run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane, params, None))
+        run(record(events["joined"], lane1))
+        run(wait(lane0, events["joined"], 0))
+        run(record(events["end"], lane0))
 
     def through_the_graph(i: int) -> None:
-        run(record(events["ready"], compute), "record ready")
-        run(wait(lane0, events["ready"], 0), "wait ready")
-        run(wait(lane0, events["previous"], 0), "wait previous")
-        run(record(events["start"], lane0), "record start")
+        run(record(events["ready"], compute))
+        run(wait(lane0, events["ready"], 0))
+        run(wait(lane0, events["previous"], 0))
+        run(record(events["start"], lane0))
         for k in range(BATCHES):
-            run(graph.set_copy(i * BATCHES + k), f"DMA update {k}")
+            run(graph.set_copy(i * BATCHES + k))
         for k in range(BATCHES + 1):  # the scatters and the table copy
-            run(graph.set_kernel(k), f"kernel update {k}")
-        run(graph.launch(lane0), "graph launch")
-        run(record(events["end"], lane0), "record end")
+            run(graph.set_kernel(k))
+        run(graph.launch(lane0))
+        run(record(events["end"], lane0))
 
     return {"call by call (28 calls)": call_by_call, "as a graph": through_the_graph}
 
@@ -370,42 +351,6 @@ def after_wait(torch: Any, jobs: dict[str, Callable[[int], None]], repeat: int) 
             + "/".join(f"{1e6 * wall[k]:.0f}" for k in picks)
             + " us (p10/50/90)"
         )
-    return lines
-
-
-def call_profile(
-    torch: Any, jobs: dict[str, Callable[[int], None]], marks: list[tuple[str, float]], repeat: int
-) -> list[str]:
-    """Return, for each way of making a nine-batch load's calls, the median microseconds of each
-    call right after a wait for ~20 ms of GPU work (an event synchronize, as the executors wait)
-    and made again at once, `repeat` times each; a ctypes call into libc first."""
-    took: dict[tuple[str, str, str], list[float]] = {}
-    order: dict[str, list[str]] = {}
-    libc = ctypes.CDLL("libc.so.6")
-    for i in range(repeat):
-        for name, job in jobs.items():
-            for when in ("after a wait", "again"):
-                if when == "after a wait":
-                    torch.cuda._sleep(40_000_000)
-                    _event_synchronize(torch)
-                marks.clear()
-                before = time.perf_counter()
-                libc.abs(i)  # the same path into C, no driver
-                marks.append(("ctypes into libc", time.perf_counter()))
-                job(i)
-                order[name] = [call for call, _ in marks]
-                for call, at in marks:
-                    took.setdefault((name, when, call), []).append(at - before)
-                    before = at
-            torch.cuda.synchronize()
-    lines = []
-    for name, calls in order.items():
-        lines.append(f"{name}: median us per call, after a wait / again at once")
-        for call in calls:
-            after, again = (
-                statistics.median(took[name, w, call]) for w in ("after a wait", "again")
-            )
-            lines.append(f"  {call:<20} {1e6 * after:7.1f} {1e6 * again:7.1f}")
     return lines
 
 
@@ -470,21 +415,13 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--jobs", type=int, default=20, help="whole jobs each way, after a wait")
-    parser.add_argument(
-        "--profile", action="store_true", help="only time each call of a whole job after a wait"
-    )
     args = parser.parse_args()
     torch = cuda_torch("driver_calls.py")
     if torch is None:
         return 0
     import cupy
 
-    marks: list[tuple[str, float]] | None = [] if args.profile else None
-    jobs, calls = _calls(torch, cupy, args.calls, marks)
-    if marks is not None:
-        for line in call_profile(torch, jobs, marks, args.jobs):
-            print(line)
-        return 0
+    jobs, calls = _calls(torch, cupy, args.calls)
     print(f"{args.calls} calls back to back, {args.repeat} runs; microseconds per call")
     medians = {}
     for name, call in calls.items():
