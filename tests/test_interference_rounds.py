@@ -1,4 +1,5 @@
-"""The statistics of `benchmarks/interference_rounds.py` (the script itself needs a GPU)."""
+"""The statistics and the report of `benchmarks/interference_rounds.py` (the script itself
+needs a GPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
-from interference_rounds import median_interval
+from interference_rounds import median_interval, report_rounds
 
 
 def test_the_median_interval_of_twelve_rounds_is_the_third_and_tenth_smallest() -> None:
@@ -32,3 +33,28 @@ def test_the_median_lies_inside_its_interval(n: int) -> None:
     values = [float((7 * k) % n) for k in range(n)]
     low, high = median_interval(values)
     assert low <= sorted(values)[n // 2] <= high
+
+
+def _rounds(matmul_ms: dict[str, float], count: int = 8) -> list[dict[str, dict[str, object]]]:
+    gpu = {"sm_mhz": 1500.0, "power_w": 500.0}
+    return [
+        {arm: {"matmul_ms": ms, "combined": 0.95, "gpu": gpu} for arm, ms in matmul_ms.items()}
+        for _ in range(count)
+    ]
+
+
+def test_an_arm_without_a_label_is_read_against_target_3() -> None:
+    _, summary = report_rounds(_rounds({"alone": 1.0, "torch": 1.02}), ["torch"])
+    assert summary == [
+        "target 3 by rounds, torch: matmul slowdown median +2.0 % (95 % interval +2.0 .. +2.0 %), "
+        "combined transfer 0.95 x bidirectional ceiling -> PASS (bars: <= 3 %, >= 0.90)"
+    ]
+
+
+def test_a_labelled_arm_is_reported_under_its_label_and_the_others_under_target_3() -> None:
+    rounds = _rounds({"alone": 1.0, "torch": 1.04, "bulk": 1.07})
+    _, summary = report_rounds(rounds, ["torch", "bulk"], labels={"bulk": "bulk copies"})
+    assert [line.split(":")[0] for line in summary] == [
+        "target 3 by rounds, torch",
+        "bulk copies, bulk",
+    ]
