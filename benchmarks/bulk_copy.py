@@ -146,7 +146,6 @@ class Config:
         blocks, warps, stages, chunk_kib = (int(x) for x in text.split("x"))
         if warps * stages > 256 or warps * stages < 1 or stages < 1:
             raise ValueError(f"{text}: warps x stages must be 1..256")
-        self.text = text
         self.blocks, self.warps, self.stages = blocks, warps, stages
         self.chunk = min(chunk_kib * KIB, page)
         if page % self.chunk:
@@ -177,7 +176,7 @@ class BulkJobs(_PinnedCopyJobs):
 
         self._torch = torch
         self._kernel = kernel
-        self._config = config
+        self.config = config
         layers = len(kv)
         self._nbytes = moved * layers * page
         self._n_pages = moved * layers
@@ -216,7 +215,7 @@ class BulkJobs(_PinnedCopyJobs):
 
     def launch(self, direction: Direction) -> None:
         """Queue one job's kernel on the direction's stream."""
-        c = self._config
+        c = self.config
         src, dst = self._tables[direction]
         with self._launch_streams[direction]:
             self._kernel(
@@ -361,7 +360,7 @@ def _section_configs(run: _Run) -> tuple[list[dict[str, Any]], dict[str, _Jobs]]
         correct = round_trips(run.torch, jobs, run.kv, run.host, run.page)
         alone = run.alone(jobs)
         combined = run.combined(jobs)
-        shared = Config(text, run.page).shared_bytes
+        shared = jobs.config.shared_bytes
         rows.append(
             {
                 "config": text,

@@ -238,15 +238,38 @@ def _build_graph(
     updates = [dma(i, i % 2) for i in range(pages)]
     _KEEP.extend((graph, executable, launch, copies, scatters, updates))
 
-    return _Graph(lib, executable, context, copies, scatters, updates, launch)
+    return _Graph(
+        lib,
+        executable,
+        context,
+        copies=copies,
+        scatters=scatters,
+        updates=updates,
+        launch=launch,
+    )
 
 
 class _Graph:
     """The nine-batch graph, instantiated: its per-job calls."""
 
-    def __init__(self, lib: Any, executable: Any, context: Any, *parts: Any) -> None:
+    def __init__(
+        self,
+        lib: Any,
+        executable: Any,
+        context: Any,
+        *,
+        copies: list[ctypes.c_void_p],
+        scatters: list[ctypes.c_void_p],
+        updates: list[_Memcpy3D],
+        launch: _KernelNodeParams,
+    ) -> None:
         self._lib, self._executable, self._context = lib, executable, context
-        self._copies, self._scatters, self._updates, self._launch = parts
+        self._copies, self._scatters, self._updates, self._launch = (
+            copies,
+            scatters,
+            updates,
+            launch,
+        )
 
     def set_copy(self, i: int) -> int:
         """Give batch `i % BATCHES`'s DMA the `i`-th host page; return the driver's status."""
