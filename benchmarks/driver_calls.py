@@ -20,7 +20,7 @@ graph launch with its nine DMA updates (kernels that read their arguments from t
 uploaded table need no update) and the job's event calls. Last, it makes a whole job's calls
 both ways right after the host waited for ~20 ms of GPU work, as target 4b's submit runs (three
 ways of waiting), and again at once after that, the ways alternating (`--jobs` times each):
-thread CPU time and wall clock, p10/50/90.
+thread CPU time and wall clock, p10/50/90. `--profile` times each call of such a job instead.
 
     python3 benchmarks/driver_calls.py
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -61,10 +62,10 @@ def _per_call(
 
 
 def _calls(
-    torch: Any, cupy: Any, calls: int
+    torch: Any, cupy: Any, calls: int, marks: list[tuple[str, float]] | None = None
 ) -> tuple[dict[str, Callable[[int], None]], dict[str, Callable[[int], int]]]:
-    """Return a whole nine-batch load made both ways (`_whole_jobs`), and each measured call, as
-    a function of its index (so copies do not overlap)."""
+    """Return a whole nine-batch load made both ways (`_whole_jobs`, with `marks`), and each
+    measured call, as a function of its index (so copies do not overlap)."""
     lib = ctypes.CDLL("libcuda.so.1")
     nbytes = calls * 4 * KIB
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -119,7 +120,14 @@ def _calls(
         page=page,
     )
     jobs = _whole_jobs(
-        torch, lib, empty, params, graph=graph, device=device.data_ptr(), host=host.data_ptr()
+        torch,
+        lib,
+        empty,
+        params,
+        graph=graph,
+        device=device.data_ptr(),
+        host=host.data_ptr(),
+        marks=marks,
     )
     return jobs, {
         "cuMemcpyAsync H2D 4 KiB": copy("cuMemcpyAsync", True),
@@ -291,11 +299,20 @@ class _Graph:
 
 
 def _whole_jobs(
-    torch: Any, lib: Any, kernel: Any, params: Any, *, graph: _Graph, device: int, host: int
+    torch: Any,
+    lib: Any,
+    kernel: Any,
+    params: Any,
+    *,
+    graph: _Graph,
+    device: int,
+    host: int,
+    marks: list[tuple[str, float]] | None,
 ) -> dict[str, Callable[[int], None]]:
     """Return the `i`-th nine-batch load's driver calls, made call by call as `_native.queue`
     makes them (28 calls on a compute stream and two lanes) and through the graph (the job's
-    event calls, nine DMA updates, ten kernel updates, the launch)."""
+    event calls, nine DMA updates, ten kernel updates, the launch). With `marks`, each call
+    appends its name and the clock when it returned."""
     compute, lane0, lane1 = (ctypes.c_void_p(torch.cuda.Stream().cuda_stream) for _ in range(3))
     events = {}
     for name, flags in (("ready", 2), ("uploaded", 2), ("joined", 2), ("previous", 2)):
@@ -309,37 +326,39 @@ def _whole_jobs(
     record, wait, copy = lib.cuEventRecord, lib.cuStreamWaitEvent, lib.cuMemcpyAsync
     launch, page = lib.cuLaunchKernel, 4 * KIB
 
-    def run(status: int) -> None:
-        _checked(status, "a nine-batch job's call")
+    def run(status: int, name: str) -> None:
+        _checked(status, name)
+        if marks is not None:
+            marks.append((name, time.perf_counter()))
 
     def call_by_call(i: int) -> None:
-        run(record(events["ready"], compute))
-        run(wait(lane0, events["ready"], 0))
-        run(record(events["start"], lane0))
-        run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane0, params, None))  # the tables
-        run(record(events["uploaded"], lane0))
-        run(wait(lane1, events["uploaded"], 0))
+        run(record(events["ready"], compute), "record ready")
+        run(wait(lane0, events["ready"], 0), "wait ready")
+        run(record(events["start"], lane0), "record start")
+        run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane0, params, None), "launch table copy")
+        run(record(events["uploaded"], lane0), "record uploaded")
+        run(wait(lane1, events["uploaded"], 0), "wait uploaded")
         for k in range(BATCHES):
             lane = (lane0, lane1)[k % 2]
-            run(copy(device + (k % 2) * page, host + k * page, page, lane))
+            run(copy(device + (k % 2) * page, host + k * page, page, lane), f"DMA {k}")
             if k == 0:
-                run(wait(lane, events["previous"], 0))
-            run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane, params, None))
-        run(record(events["joined"], lane1))
-        run(wait(lane0, events["joined"], 0))
-        run(record(events["end"], lane0))
+                run(wait(lane, events["previous"], 0), "wait previous")
+            run(launch(kernel, 128, 1, 1, 256, 1, 1, 0, lane, params, None), f"launch {k}")
+        run(record(events["joined"], lane1), "record joined")
+        run(wait(lane0, events["joined"], 0), "wait joined")
+        run(record(events["end"], lane0), "record end")
 
     def through_the_graph(i: int) -> None:
-        run(record(events["ready"], compute))
-        run(wait(lane0, events["ready"], 0))
-        run(wait(lane0, events["previous"], 0))
-        run(record(events["start"], lane0))
+        run(record(events["ready"], compute), "record ready")
+        run(wait(lane0, events["ready"], 0), "wait ready")
+        run(wait(lane0, events["previous"], 0), "wait previous")
+        run(record(events["start"], lane0), "record start")
         for k in range(BATCHES):
-            run(graph.set_copy(i * BATCHES + k))
+            run(graph.set_copy(i * BATCHES + k), f"DMA update {k}")
         for k in range(BATCHES + 1):  # the scatters and the table copy
-            run(graph.set_kernel(k))
-        run(graph.launch(lane0))
-        run(record(events["end"], lane0))
+            run(graph.set_kernel(k), f"kernel update {k}")
+        run(graph.launch(lane0), "graph launch")
+        run(record(events["end"], lane0), "record end")
 
     return {"call by call (28 calls)": call_by_call, "as a graph": through_the_graph}
 
@@ -364,16 +383,89 @@ def after_wait(torch: Any, jobs: dict[str, Callable[[int], None]], repeat: int) 
                 torch.cuda.synchronize()
     lines = []
     for name, pairs in seconds.items():
-        cpu, wall = (sorted(p[j] for p in pairs) for j in (0, 1))
+        cpu_sorted, wall_sorted = (sorted(p[j] for p in pairs) for j in (0, 1))
         n = len(pairs)
         picks = [n // 10, n // 2, (9 * n) // 10]
         lines.append(
             f"nine-batch load, {name}: cpu "
-            + "/".join(f"{1e6 * cpu[k]:.0f}" for k in picks)
+            + "/".join(f"{1e6 * cpu_sorted[k]:.0f}" for k in picks)
             + " us, wall "
-            + "/".join(f"{1e6 * wall[k]:.0f}" for k in picks)
+            + "/".join(f"{1e6 * wall_sorted[k]:.0f}" for k in picks)
             + " us (p10/50/90)"
         )
+    return lines
+
+
+PROFILE_WHENS = (
+    "after a wait",
+    "after a wait, a stream query first",
+    "after a wait, fixed host work first",
+    "again at once",
+)
+"""What `call_profile` does between the wait and the job: nothing; one cheap driver call on the
+job's compute stream (does the first call pay for the wait?); a fixed piece of Python with no
+driver call (is the host itself slower after a wait?); and, with no wait, the job again."""
+
+
+def _fixed_host_work() -> int:
+    return sum(i * i for i in range(300))
+
+
+def call_profile(
+    torch: Any,
+    lib: Any,
+    jobs: dict[str, Callable[[int], None]],
+    marks: list[tuple[str, float]],
+    repeat: int,
+) -> list[str]:
+    """Return, for each way of making a nine-batch load's calls, the median microseconds of each
+    call (wall clock between returns) right after a wait for ~20 ms of GPU work (an event
+    synchronize, as the executors wait), in each of `PROFILE_WHENS`, `repeat` times each, the
+    ways alternating; a ctypes call into libc first, and the job's thread CPU time and wall
+    clock in all."""
+    took: dict[tuple[str, str, str], list[float]] = {}
+    order: dict[tuple[str, str], list[str]] = {}
+    libc = ctypes.CDLL("libc.so.6")
+    query = lib.cuStreamQuery
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    for i in range(repeat):
+        for name, job in jobs.items():
+            for when in PROFILE_WHENS:
+                if when != "again at once":
+                    torch.cuda._sleep(40_000_000)
+                    _event_synchronize(torch)
+                marks.clear()
+                wall, cpu = time.perf_counter(), time.thread_time()
+                before = wall
+                libc.abs(i)  # the same path into C, no driver
+                marks.append(("ctypes into libc", time.perf_counter()))
+                if when == "after a wait, a stream query first":
+                    query(stream)
+                    marks.append(("cuStreamQuery", time.perf_counter()))
+                elif when == "after a wait, fixed host work first":
+                    _fixed_host_work()
+                    marks.append(("fixed host work", time.perf_counter()))
+                job(i)
+                cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+                took.setdefault((name, when, "whole job, cpu"), []).append(cpu)
+                took.setdefault((name, when, "whole job, wall"), []).append(wall)
+                order[name, when] = [call for call, _ in marks]
+                for call, at in marks:
+                    took.setdefault((name, when, call), []).append(at - before)
+                    before = at
+            torch.cuda.synchronize()
+    lines = [f"median us per call, {repeat} jobs each; columns: " + " | ".join(PROFILE_WHENS)]
+    for name in jobs:
+        lines.append(f"{name}:")
+        calls = list(dict.fromkeys(c for w in PROFILE_WHENS for c in order[name, w]))
+        for call in [*calls, "whole job, cpu", "whole job, wall"]:
+            cells = [
+                f"{1e6 * statistics.median(took[name, w, call]):7.1f}"
+                if (name, w, call) in took
+                else "      -"
+                for w in PROFILE_WHENS
+            ]
+            lines.append(f"  {call:<20} " + " ".join(cells))
     return lines
 
 
@@ -438,13 +530,22 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--jobs", type=int, default=20, help="whole jobs each way, after a wait")
+    parser.add_argument(
+        "--profile", action="store_true", help="only time each call of a whole job after a wait"
+    )
     args = parser.parse_args()
     torch = cuda_torch("driver_calls.py")
     if torch is None:
         return 0
     import cupy
 
-    jobs, calls = _calls(torch, cupy, args.calls)
+    marks: list[tuple[str, float]] | None = [] if args.profile else None
+    jobs, calls = _calls(torch, cupy, args.calls, marks)
+    if marks is not None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for line in call_profile(torch, lib, jobs, marks, args.jobs):
+            print(line)
+        return 0
     print(f"{args.calls} calls back to back, {args.repeat} runs; microseconds per call")
     medians = {}
     for name, call in calls.items():
