@@ -20,7 +20,8 @@ graph launch with its nine DMA updates (kernels that read their arguments from t
 uploaded table need no update) and the job's event calls. Last, it makes a whole job's calls
 both ways right after the host waited for ~20 ms of GPU work, as target 4b's submit runs (three
 ways of waiting), and again at once after that, the ways alternating (`--jobs` times each):
-thread CPU time and wall clock, p10/50/90. `--profile` times each call of such a job instead.
+thread CPU time and wall clock, p10/50/90. `--profile` times each call of such a job instead;
+`--pauses` times host work and the job after pauses with and without the GPU, pinned or not.
 
     python3 benchmarks/driver_calls.py
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import sys
 import time
@@ -490,6 +492,73 @@ WAITS: dict[str, Callable[[Any], None]] = {
 """The ways `after_wait` waits for the GPU before a job."""
 
 
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _synchronize_on_gpu_work(torch: Any) -> None:
+    torch.cuda._sleep(40_000_000)  # ~20 ms of one spinning thread on the GPU
+    _event_synchronize(torch)
+
+
+def _poll_on_gpu_work(torch: Any) -> None:
+    torch.cuda._sleep(40_000_000)
+    _event_poll(torch)
+
+
+PAUSES: dict[str, Callable[[Any], None]] = {
+    "event synchronize on ~20 ms of GPU work": _synchronize_on_gpu_work,
+    "polling that event from Python": _poll_on_gpu_work,
+    "asleep 20 ms (time.sleep), no CUDA call": lambda torch: time.sleep(0.02),
+    "spinning 20 ms in Python, no CUDA call": lambda torch: _spin(0.02),
+    "no pause: again at once": lambda torch: None,
+}
+"""What `pauses` does before each measurement: wait for the GPU as the executors do, or poll it,
+or pause the thread as long without the GPU, asleep or busy; or nothing."""
+
+
+def pauses(torch: Any, job: Callable[[int], None], repeat: int, *, pinned: bool) -> list[str]:
+    """Return, for each of `PAUSES`, the median microseconds a ctypes call into libc and a fixed
+    piece of Python took right after it, the p10/50/90 thread CPU microseconds of a nine-batch
+    load's 28 calls made next, and how often the thread came back on another CPU than it left;
+    `repeat` times each, the pauses alternating. With `pinned`, the process runs on one CPU."""
+    libc = ctypes.CDLL("libc.so.6")
+    allowed = os.sched_getaffinity(0)
+    if pinned:
+        os.sched_setaffinity(0, {libc.sched_getcpu()})
+    took: dict[str, list[tuple[float, float, float, bool]]] = {}
+    try:
+        for i in range(repeat):
+            for name, pause in PAUSES.items():
+                left = libc.sched_getcpu()
+                pause(torch)
+                start = time.perf_counter()
+                libc.abs(i)
+                called = time.perf_counter()
+                _fixed_host_work()
+                worked, cpu = time.perf_counter(), time.thread_time()
+                job(i)
+                cpu = time.thread_time() - cpu
+                moved = libc.sched_getcpu() != left
+                took.setdefault(name, []).append((called - start, worked - called, cpu, moved))
+            torch.cuda.synchronize()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    lines = [f"{'pinned to one CPU' if pinned else 'not pinned'}, {repeat} each (us):"]
+    for name, rows in took.items():
+        libc_us, work_us = (1e6 * statistics.median(r[j] for r in rows) for j in (0, 1))
+        job_us = sorted(1e6 * r[2] for r in rows)
+        n = len(job_us)
+        lines.append(
+            f"  {name:<42} libc {libc_us:5.1f}  host work {work_us:5.1f}  job cpu "
+            f"{job_us[n // 10]:.0f}/{job_us[n // 2]:.0f}/{job_us[(9 * n) // 10]:.0f} "
+            f"(p10/50/90)  on another CPU after it {sum(r[3] for r in rows)}/{n}"
+        )
+    return lines
+
+
 GRAPH_COPY = "cuGraphExecMemcpyNodeSetParams"
 GRAPH_KERNEL = "cuGraphExecKernelNodeSetParams"
 GRAPH_LAUNCH = f"cuGraphLaunch, {2 * BATCHES + 1} nodes"
@@ -533,6 +602,11 @@ def main() -> int:
     parser.add_argument(
         "--profile", action="store_true", help="only time each call of a whole job after a wait"
     )
+    parser.add_argument(
+        "--pauses",
+        action="store_true",
+        help="only time host work and a whole job after each of several pauses",
+    )
     args = parser.parse_args()
     torch = cuda_torch("driver_calls.py")
     if torch is None:
@@ -541,6 +615,14 @@ def main() -> int:
 
     marks: list[tuple[str, float]] | None = [] if args.profile else None
     jobs, calls = _calls(torch, cupy, args.calls, marks)
+    if args.pauses:
+        flags = ctypes.c_uint()
+        _checked(ctypes.CDLL("libcuda.so.1").cuCtxGetFlags(ctypes.byref(flags)), "cuCtxGetFlags")
+        print(f"context flags {flags.value:#x} (scheduling: 0 auto, 1 spin, 2 yield, 4 blocking)")
+        for pinned in (False, True):
+            for line in pauses(torch, jobs["call by call (28 calls)"], args.jobs, pinned=pinned):
+                print(line)
+        return 0
     if marks is not None:
         lib = ctypes.CDLL("libcuda.so.1")
         for line in call_profile(torch, lib, jobs, marks, args.jobs):
