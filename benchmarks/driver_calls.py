@@ -21,7 +21,8 @@ uploaded table need no update) and the job's event calls. Last, it makes a whole
 both ways right after the host waited for ~20 ms of GPU work, as target 4b's submit runs (three
 ways of waiting), and again at once after that, the ways alternating (`--jobs` times each):
 thread CPU time and wall clock, p10/50/90. `--profile` times each call of such a job instead;
-`--pauses` times host work and the job after pauses with and without the GPU, pinned or not.
+`--pauses` times host work and the job after pauses with and without the GPU (`--pinned`: also
+pinned to one CPU).
 
     python3 benchmarks/driver_calls.py
 """
@@ -37,6 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from host_steps import spin
 from transfer import cuda_torch
 
 KIB = 1024
@@ -492,10 +494,8 @@ WAITS: dict[str, Callable[[Any], None]] = {
 """The ways `after_wait` waits for the GPU before a job."""
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+def _spinning(seconds: float) -> Callable[[Any], None]:
+    return lambda torch: spin(seconds)
 
 
 def _synchronize_on_gpu_work(torch: Any) -> None:
@@ -512,11 +512,11 @@ PAUSES: dict[str, Callable[[Any], None]] = {
     "event synchronize on ~20 ms of GPU work": _synchronize_on_gpu_work,
     "polling that event from Python": _poll_on_gpu_work,
     "asleep 20 ms (time.sleep), no CUDA call": lambda torch: time.sleep(0.02),
-    "spinning 20 ms in Python, no CUDA call": lambda torch: _spin(0.02),
+    **{f"spinning {ms:g} ms in Python, no CUDA call": _spinning(ms / 1e3) for ms in (20, 4, 1)},
     "no pause: again at once": lambda torch: None,
 }
 """What `pauses` does before each measurement: wait for the GPU as the executors do, or poll it,
-or pause the thread as long without the GPU, asleep or busy; or nothing."""
+or pause the thread without the GPU, asleep or busy, as long or shorter; or nothing."""
 
 
 def pauses(torch: Any, job: Callable[[int], None], repeat: int, *, pinned: bool) -> list[str]:
@@ -607,6 +607,7 @@ def main() -> int:
         action="store_true",
         help="only time host work and a whole job after each of several pauses",
     )
+    parser.add_argument("--pinned", action="store_true", help="with --pauses: pinned, then not")
     args = parser.parse_args()
     torch = cuda_torch("driver_calls.py")
     if torch is None:
@@ -619,7 +620,7 @@ def main() -> int:
         flags = ctypes.c_uint()
         _checked(ctypes.CDLL("libcuda.so.1").cuCtxGetFlags(ctypes.byref(flags)), "cuCtxGetFlags")
         print(f"context flags {flags.value:#x} (scheduling: 0 auto, 1 spin, 2 yield, 4 blocking)")
-        for pinned in (False, True):
+        for pinned in (False, True) if args.pinned else (False,):
             for line in pauses(torch, jobs["call by call (28 calls)"], args.jobs, pinned=pinned):
                 print(line)
         return 0
