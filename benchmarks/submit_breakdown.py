@@ -14,10 +14,12 @@ for a job that call does not cover, the planner, the slot write and the job's dr
 up to the whole (the loop around them, and the timing itself, about 1 µs a step). With
 `--sweep-mib`, a line per size also sweeps that many MiB of host memory before each submit,
 which pushes the submit's code and data out of the CPU caches: how much of its cost is the
-caches' state.
+caches' state. With `--spin-ms`, a line per pause also spins the thread in Python that long
+before each submit, touching no memory: how much of it is time spent elsewhere alone.
 
     python3 benchmarks/submit_breakdown.py --variants torch,cupy --bursts 1,4
     python3 benchmarks/submit_breakdown.py --variants torch --sweep-mib 0,64
+    python3 benchmarks/submit_breakdown.py --pages-kib 16 --bursts 4 --spin-ms 0,1,4,20
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from host_steps import spin
 from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows, cuda_torch
 
 from kvferry.core.plan import Direction
@@ -60,7 +63,14 @@ def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> 
 
 
 def breakdown(
-    torch: Any, variant: str, page: int, jobs: int, *, burst: int = 1, sweep_mib: int = 0
+    torch: Any,
+    variant: str,
+    page: int,
+    jobs: int,
+    *,
+    burst: int = 1,
+    sweep_mib: int = 0,
+    spin_ms: float = 0.0,
 ) -> dict[str, float]:
     """Return the median seconds of `submit()` ("submit") and of each step, over `jobs` loads.
 
@@ -68,7 +78,8 @@ def breakdown(
     measures target 4; a larger `burst` submits that many back to back and then waits for them
     all, and samples only the 2nd and later of each burst: submits while the GPU is busy with
     the ones before, as an engine's scheduler would make them. `sweep_mib` MiB of host memory
-    are read before each submit (none when 0).
+    are read before each submit (none when 0), and then the thread spins in Python for
+    `spin_ms` (none when 0), touching no memory.
     """
     sweep = np.ones(sweep_mib << 17) if sweep_mib else None
     spent: dict[str, float] = defaultdict(float)
@@ -93,6 +104,8 @@ def breakdown(
                 bound = _bound(job, Direction.LOAD, rng.choice(num_blocks, moved, False), rows)
                 if sweep is not None:
                     sweep.sum()
+                if spin_ms:
+                    spin(spin_ms / 1e3)
                 spent.clear()
                 start = time.perf_counter()
                 executor.submit(bound)
@@ -126,20 +139,38 @@ def main(argv: list[str] | None = None) -> int:
         default="0",
         help="MiB of host memory read before each submit, one line each (0: none)",
     )
+    parser.add_argument(
+        "--spin-ms",
+        default="0",
+        help="ms the thread spins in Python before each submit, one line each (0: none)",
+    )
     args = parser.parse_args(argv)
     torch = cuda_torch("submit_breakdown.py")
     if torch is None:
         return 0
     print(f"{BLOCKS}-block x 32-layer loads, median us per submit and per step")
-    cases = [(int(b), int(m)) for b in args.bursts.split(",") for m in args.sweep_mib.split(",")]
-    for burst, sweep_mib in cases:
+    cases = [
+        (int(b), int(m), float(ms))
+        for b in args.bursts.split(",")
+        for m in args.sweep_mib.split(",")
+        for ms in args.spin_ms.split(",")
+    ]
+    for burst, sweep_mib, spin_ms in cases:
         pattern = "after wait()" if burst == 1 else f"back to back, bursts of {burst}"
         if sweep_mib:
             pattern += f" and a {sweep_mib} MiB sweep"
+        if spin_ms:
+            pattern += f", then {spin_ms:g} ms spinning"
         for variant in args.variants.split(","):
             for page_kib in (int(p) for p in args.pages_kib.split(",")):
                 times = breakdown(
-                    torch, variant, page_kib * KIB, args.jobs, burst=burst, sweep_mib=sweep_mib
+                    torch,
+                    variant,
+                    page_kib * KIB,
+                    args.jobs,
+                    burst=burst,
+                    sweep_mib=sweep_mib,
+                    spin_ms=spin_ms,
                 )
                 steps = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in times.items() if k != "submit")
                 print(
