@@ -436,8 +436,7 @@ def call_profile(
         for name, job in jobs.items():
             for when in PROFILE_WHENS:
                 if when != "again at once":
-                    torch.cuda._sleep(40_000_000)
-                    _event_synchronize(torch)
+                    _synchronize_on_gpu_work(torch)
                 marks.clear()
                 wall, cpu = time.perf_counter(), time.thread_time()
                 before = wall

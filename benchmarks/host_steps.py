@@ -16,6 +16,7 @@ spent elsewhere alone do?). A ctypes call into libc is timed the same ways. Medi
 microseconds.
 
     python3 benchmarks/host_steps.py
+    python3 benchmarks/host_steps.py --pause-ms 0.2,1,2,4,8,20
 """
 
 from __future__ import annotations
