@@ -15,7 +15,10 @@ up to the whole (the loop around them, and the timing itself, about 1 µs a step
 `--sweep-mib`, a line per size also sweeps that many MiB of host memory before each submit,
 which pushes the submit's code and data out of the CPU caches: how much of its cost is the
 caches' state. With `--spin-ms`, a line per pause also spins the thread in Python that long
-before each submit, touching no memory: how much of it is time spent elsewhere alone.
+before each submit, touching no memory: how much of it is time spent elsewhere alone. With
+`--driver real,none`, each line comes again with every driver call of the job code a Python
+function that does nothing: what the submit would still cost its caller if another thread
+made the driver calls (an upper bound: those 28 Python calls cost more than nothing).
 
     python3 benchmarks/submit_breakdown.py --variants torch,cupy --bursts 1,4
     python3 benchmarks/submit_breakdown.py --variants torch --sweep-mib 0,64
@@ -62,6 +65,18 @@ def _timed(spent: dict[str, float], name: str, function: Callable[..., Any]) -> 
     return timed
 
 
+def _nothing(*args: object) -> None:
+    return None
+
+
+def _without_driver(executor: Any) -> None:
+    """Make `executor`'s job code call `_nothing` instead of the driver (before its first job,
+    which reads them)."""
+    executor._driver_calls = lambda: (_nothing, _nothing, _nothing)
+    executor._stage_kernel = lambda **kwargs: _nothing
+    executor._table_copy = lambda: _nothing
+
+
 def breakdown(
     torch: Any,
     variant: str,
@@ -71,6 +86,7 @@ def breakdown(
     burst: int = 1,
     sweep_mib: int = 0,
     spin_ms: float = 0.0,
+    driver: bool = True,
 ) -> dict[str, float]:
     """Return the median seconds of `submit()` ("submit") and of each step, over `jobs` loads.
 
@@ -79,7 +95,10 @@ def breakdown(
     all, and samples only the 2nd and later of each burst: submits while the GPU is busy with
     the ones before, as an engine's scheduler would make them. `sweep_mib` MiB of host memory
     are read before each submit (none when 0), and then the thread spins in Python for
-    `spin_ms` (none when 0), touching no memory.
+    `spin_ms` (none when 0), touching no memory. Without `driver`, every call the compiled job
+    code would make to the driver goes to a Python function that does nothing: the submit
+    then costs what it would cost the caller if another thread made those calls, and a little
+    more (nothing reaches the GPU, and `wait()` reports each job failed).
     """
     sweep = np.ones(sweep_mib << 17) if sweep_mib else None
     spent: dict[str, float] = defaultdict(float)
@@ -89,6 +108,8 @@ def breakdown(
     name, options = VARIANTS[variant]
     moved, num_blocks, kv = bench_kv_caches(torch, 32, page, BLOCKS * 32 * page)
     executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
+    if not driver:
+        _without_driver(executor)
     try:
         for step in STEPS:
             setattr(executor, step, _timed(spent, step.strip("_"), getattr(executor, step)))
@@ -140,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         help="MiB of host memory read before each submit, one line each (0: none)",
     )
     parser.add_argument(
+        "--driver",
+        default="real",
+        help="real, none (each driver call a Python no-op), or both: real,none",
+    )
+    parser.add_argument(
         "--spin-ms",
         default="0",
         help="ms the thread spins in Python before each submit, one line each (0: none)",
@@ -150,17 +176,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{BLOCKS}-block x 32-layer loads, median us per submit and per step")
     cases = [
-        (int(b), int(m), float(ms))
+        (int(b), int(m), float(ms), d == "real")
+        for d in args.driver.split(",")
         for b in args.bursts.split(",")
         for m in args.sweep_mib.split(",")
         for ms in args.spin_ms.split(",")
     ]
-    for burst, sweep_mib, spin_ms in cases:
+    for burst, sweep_mib, spin_ms, driver in cases:
         pattern = "after wait()" if burst == 1 else f"back to back, bursts of {burst}"
         if sweep_mib:
             pattern += f" and a {sweep_mib} MiB sweep"
         if spin_ms:
             pattern += f", then {spin_ms:g} ms spinning"
+        if not driver:
+            pattern += ", driver calls as Python no-ops"
         for variant in args.variants.split(","):
             for page_kib in (int(p) for p in args.pages_kib.split(",")):
                 times = breakdown(
@@ -171,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                     burst=burst,
                     sweep_mib=sweep_mib,
                     spin_ms=spin_ms,
+                    driver=driver,
                 )
                 steps = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in times.items() if k != "submit")
                 print(
