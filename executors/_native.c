@@ -3,14 +3,17 @@
  *
  * `kvferry.executors.base`, `.staging` and `.staged` call these on every submit(): in
  * Python they were most of a 2048-block load's host time (docs/benchmarks.md). Each function
- * here is specified by its caller's docstring and tested through it; none keeps state.
+ * here is specified by its caller's docstring and tested through it; none keeps state but the
+ * Submitter, a thread that makes staged jobs' calls off the submitting thread.
  *
  * Integers cross as Python ints and tuples; int64 tables come back as `bytes`, which numpy
  * views without a copy (and read-only, as the planner's tables must be).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Widths of the planner's tables: keep equal to staging.SLICE_FIELDS and the slice tuple. */
@@ -388,6 +391,31 @@ typedef struct {
     memcpy_fn copy;
 } Driver;
 
+/* An event as a job function takes it: the caller's object (a callable driver's own, an
+ * integer handle, or None for no event) and, for a driver called by address, its handle,
+ * resolved before the first call so that a submission thread needs no Python to use it. */
+typedef struct {
+    PyObject *object;
+    void *handle;
+} Event;
+
+static int present(const Event *e) { return e->object != Py_None; }
+
+/* Fill `e` from `object` for driver `d`; 0, or -1 with an exception (not an integer). */
+static int resolve_event(const Driver *d, PyObject *object, Event *e) {
+    e->object = object;
+    e->handle = NULL;
+    if (object == Py_None || (d->record_call && d->wait_call)) return 0;
+    e->handle = PyLong_AsVoidPtr(object);
+    return e->handle == NULL && PyErr_Occurred() ? -1 : 0;
+}
+
+static int resolve_events(const Driver *d, PyObject *const objects[], Event events[], int n) {
+    for (int i = 0; i < n; i++)
+        if (resolve_event(d, objects[i], &events[i])) return -1;
+    return 0;
+}
+
 /* A job's staging-kernel launches: a Python callable, or straight to the driver. */
 typedef struct {
     PyObject *call; /* StageCopy(stream, segments, count, stage, blocks), or NULL */
@@ -486,24 +514,22 @@ static int called(PyObject *result) {
     return 0;
 }
 
-static int record_event(const Driver *d, PyObject *event, uint64_t stream, const char **failed) {
+static int record_event(const Driver *d, const Event *event, uint64_t stream,
+                        const char **failed) {
     if (d->record_call)
-        return called(PyObject_CallFunction(d->record_call, "OK", event,
+        return called(PyObject_CallFunction(d->record_call, "OK", event->object,
                                             (unsigned long long)stream));
-    void *handle = PyLong_AsVoidPtr(event);
-    if (!handle && PyErr_Occurred()) return -1;
-    int status = d->record(handle, (void *)(uintptr_t)stream);
+    int status = d->record(event->handle, (void *)(uintptr_t)stream);
     if (status) *failed = "cuEventRecord";
     return status;
 }
 
-static int wait_event(const Driver *d, uint64_t stream, PyObject *event, const char **failed) {
+static int wait_event(const Driver *d, uint64_t stream, const Event *event,
+                      const char **failed) {
     if (d->wait_call)
         return called(PyObject_CallFunction(d->wait_call, "KO", (unsigned long long)stream,
-                                            event));
-    void *handle = PyLong_AsVoidPtr(event);
-    if (!handle && PyErr_Occurred()) return -1;
-    int status = d->wait((void *)(uintptr_t)stream, handle, 0);
+                                            event->object));
+    int status = d->wait((void *)(uintptr_t)stream, event->handle, 0);
     if (status) *failed = "cuStreamWaitEvent";
     return status;
 }
@@ -552,13 +578,15 @@ static int upload(const Upload *u, uint64_t stream, const char **failed) {
     return status;
 }
 
-/* The job's first calls: lane 0 waits for the compute stream (through `ready`) and for the
- * previous job of the direction (its end event, unless None), then records `start`. */
-static int begin(const Driver *d, const uint64_t lanes[2], uint64_t compute, PyObject *ready,
-                 PyObject *previous, PyObject *start, const char **failed) {
-    int status = record_event(d, ready, compute, failed);
+/* The job's first calls: `ready` recorded on the compute stream (unless `ready_recorded`: the
+ * submitting thread did that), lane 0 waits for it and for the previous job of the direction
+ * (its end event, unless None), then records `start`. */
+static int begin(const Driver *d, const uint64_t lanes[2], uint64_t compute, int ready_recorded,
+                 const Event *ready, const Event *previous, const Event *start,
+                 const char **failed) {
+    int status = ready_recorded ? 0 : record_event(d, ready, compute, failed);
     if (!status) status = wait_event(d, lanes[0], ready, failed);
-    if (!status && previous != Py_None) status = wait_event(d, lanes[0], previous, failed);
+    if (!status && present(previous)) status = wait_event(d, lanes[0], previous, failed);
     if (!status) status = record_event(d, start, lanes[0], failed);
     return status;
 }
@@ -566,7 +594,7 @@ static int begin(const Driver *d, const uint64_t lanes[2], uint64_t compute, PyO
 /* The job's last calls: `end` is recorded on the lane of its last batch (batch k runs on lane
  * k % 2; a job of no batch ends on lane 0), after the other lane's work when it has some. */
 static int finish(const Driver *d, const uint64_t lanes[2], Py_ssize_t batches,
-                  PyObject *joined, PyObject *end, const char **failed) {
+                  const Event *joined, const Event *end, const char **failed) {
     uint64_t last = batches ? lanes[(batches - 1) % 2] : lanes[0];
     int status = 0;
     if (batches > 1) {
@@ -587,33 +615,35 @@ static PyObject *outcome(int status, const char *failed) {
  * StagedGpuExecutor._begin: a job's first calls (see begin above). */
 static PyObject *begin_job(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *driver_in, *ready, *previous, *start;
+    PyObject *driver_in, *objects[3];
     unsigned long long lanes_in[2], compute;
     if (!PyArg_ParseTuple(args, "O(KK)KOOO", &driver_in, &lanes_in[0], &lanes_in[1], &compute,
-                          &ready, &previous, &start))
+                          &objects[0], &objects[1], &objects[2]))
         return NULL;
     Driver driver = {0};
-    if (parse_driver(driver_in, &driver)) return NULL;
+    Event e[3];
+    if (parse_driver(driver_in, &driver) || resolve_events(&driver, objects, e, 3)) return NULL;
     const uint64_t lanes[2] = {lanes_in[0], lanes_in[1]};
     const char *failed = NULL;
-    return outcome(begin(&driver, lanes, compute, ready, previous, start, &failed), failed);
+    return outcome(begin(&driver, lanes, compute, 0, &e[0], &e[1], &e[2], &failed), failed);
 }
 
 /* end_job(driver, lanes, batches, joined, end) -> None or (status, call)
  * StagedGpuExecutor._end: a job's last calls (see finish above). */
 static PyObject *end_job(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *driver_in, *joined, *end;
+    PyObject *driver_in, *objects[2];
     unsigned long long lanes_in[2];
     Py_ssize_t batches;
     if (!PyArg_ParseTuple(args, "O(KK)nOO", &driver_in, &lanes_in[0], &lanes_in[1], &batches,
-                          &joined, &end))
+                          &objects[0], &objects[1]))
         return NULL;
     Driver driver = {0};
-    if (parse_driver(driver_in, &driver)) return NULL;
+    Event e[2];
+    if (parse_driver(driver_in, &driver) || resolve_events(&driver, objects, e, 2)) return NULL;
     const uint64_t lanes[2] = {lanes_in[0], lanes_in[1]};
     const char *failed = NULL;
-    return outcome(finish(&driver, lanes, batches, joined, end, &failed), failed);
+    return outcome(finish(&driver, lanes, batches, &e[0], &e[1], &failed), failed);
 }
 
 /* The staging side of a job, the same for all its batches. */
@@ -630,14 +660,16 @@ typedef struct {
     const int64_t *items, *lines, *link, *src, *dst, *size;
 } Batches;
 
-/* A whole staged job's calls, as queue_job documents them; `events` as its tuple. */
-static int queue(const Driver *d, const uint64_t lanes[2], uint64_t compute,
-                 PyObject *const events[6], const Upload *table, const Kernel *kernel,
+/* A whole staged job's calls, as queue_job documents them; `events` as its tuple; `ready`
+ * recorded on the compute stream already when `ready_recorded`. */
+static int queue(const Driver *d, const uint64_t lanes[2], uint64_t compute, int ready_recorded,
+                 const Event events[6], const Upload *table, const Kernel *kernel,
                  const Staging *s, const Batches *b, const char **failed) {
-    PyObject *ready = events[0], *previous = events[1], *start = events[2];
-    PyObject *uploaded = events[3], *joined = events[4], *end = events[5];
+    const Event *ready = &events[0], *previous = &events[1], *start = &events[2];
+    const Event *uploaded = &events[3], *joined = &events[4], *end = &events[5];
+    const Event none = {Py_None, NULL};
     Py_ssize_t batches = b->batches;
-    int status = begin(d, lanes, compute, ready, Py_None, start, failed);
+    int status = begin(d, lanes, compute, ready_recorded, ready, &none, start, failed);
     if (!status) status = upload(table, lanes[0], failed);
     if (!status) status = record_event(d, uploaded, lanes[0], failed);
     if (!status && batches > 1) /* after what lane 0 waited on, and the upload */
@@ -651,17 +683,17 @@ static int queue(const Driver *d, const uint64_t lanes[2], uint64_t compute,
         uint64_t at = s->segments + (uint64_t)(s->line_bytes * b->lines[k]);
         if (s->store && count) /* gather, then copy out */
             status = launch(kernel, lane, at, count, stage, (unsigned)blocks, failed);
-        if (!status && k == 0 && s->store && previous != Py_None) /* before writing the tier */
+        if (!status && k == 0 && s->store && present(previous)) /* before writing the tier */
             status = wait_event(d, lane, previous, failed);
         for (int64_t i = b->link[k]; i < b->link[k + 1] && !status; i++)
             status = copy(d, dst_base + (uint64_t)b->dst[i], src_base + (uint64_t)b->src[i],
                           b->size[i], lane, failed);
-        if (!status && k == 0 && !s->store && previous != Py_None) /* before writing KV blocks */
+        if (!status && k == 0 && !s->store && present(previous)) /* before writing KV blocks */
             status = wait_event(d, lane, previous, failed);
         if (!status && count && !s->store) /* copy in, then scatter */
             status = launch(kernel, lane, at, count, stage, (unsigned)blocks, failed);
     }
-    if (!status && !batches && previous != Py_None) /* the end comes after the previous one's */
+    if (!status && !batches && present(previous)) /* the end comes after the previous one's */
         status = wait_event(d, lanes[0], previous, failed);
     if (!status) status = finish(d, lanes, batches, joined, end, failed);
     return status;
@@ -692,8 +724,9 @@ static PyObject *queue_job(PyObject *self, PyObject *args) {
     Driver driver = {0};
     Kernel kernel = {0};
     Upload table = {0};
+    Event resolved[6];
     if (parse_driver(driver_in, &driver) || parse_upload(upload_in, &table) ||
-        parse_kernel(kernel_in, &kernel))
+        parse_kernel(kernel_in, &kernel) || resolve_events(&driver, events, resolved, 6))
         return NULL;
     unsigned long long stages[2], host, segments;
     long long line_bytes, most, warps;
@@ -721,18 +754,347 @@ static PyObject *queue_job(PyObject *self, PyObject *args) {
     const Staging staging = {{stages[0], stages[1]}, host, segments, store, line_bytes, most,
                              warps};
     const char *failed = NULL;
-    int status = queue(&driver, lanes, compute, events, &table, &kernel, &staging, &b, &failed);
+    int status =
+        queue(&driver, lanes, compute, 0, resolved, &table, &kernel, &staging, &b, &failed);
     result = outcome(status, failed);
 done:
     for (int c = 0; c < 6; c++) PyMem_Free(columns[c]);
     return result;
 }
 
+/* --- the submission thread (StagedGpuExecutor's `submit_thread` option) ----------------------
+ *
+ * A Submitter owns one thread that makes staged jobs' driver calls (queue above) in the order
+ * stage_job hands them over, as tickets numbered from 1. A ticket holds copies of everything
+ * queue reads, so the caller's buffers may change once stage_job returns. The thread runs no
+ * Python for a driver called by address; for the callables of CPU tests it takes the GIL. It
+ * makes the given CUDA context current once, before its first ticket. A ticket that fails is
+ * remembered, by number, until `failure` takes it; later tickets still run, as later jobs
+ * still queue when one job's submit fails. */
+
+typedef int (*context_fn)(void *context);
+
+typedef struct Ticket {
+    struct Ticket *next;
+    uint64_t number;
+    int python; /* holds Python objects (a callable driver): run and freed under the GIL */
+    Driver driver;
+    Upload table;
+    Kernel kernel;
+    Staging staging;
+    uint64_t lanes[2], compute;
+    Event events[6];
+    Batches batches;  /* its columns point into `values` */
+    int64_t values[]; /* items, lines, link, src, dst, size */
+} Ticket;
+
+#define FAILURE_TEXT 200
+
+typedef struct {
+    uint64_t number;
+    int status; /* a CUDA error, or -1 for a Python exception */
+    char text[FAILURE_TEXT];
+} Failure;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t wake, advanced;
+    int running, stop;
+    Ticket *head, *tail;
+    uint64_t pushed, completed;
+    Failure *failures;
+    Py_ssize_t n_failures, cap_failures;
+    context_fn set_context;
+    void *context;
+} Submitter;
+
+/* A new ticket of queue's arguments (the Python objects of a callable driver referenced); NULL
+ * with an exception when out of memory. */
+static Ticket *new_ticket(const Driver *d, const uint64_t lanes[2], const Event events[6],
+                          const Upload *table, const Kernel *kernel, const Staging *s,
+                          const Batches *b) {
+    Py_ssize_t n = b->batches, links = n ? b->link[n] : 0;
+    size_t count = (size_t)(n + 2 * (n + 1) + 3 * links);
+    Ticket *t = malloc(sizeof(Ticket) + count * sizeof(int64_t));
+    if (!t) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *t = (Ticket){.driver = *d, .table = *table, .kernel = *kernel, .staging = *s,
+                  .lanes = {lanes[0], lanes[1]}};
+    memcpy(t->events, events, sizeof(t->events));
+    int64_t *at = t->values;
+    const int64_t *columns[6] = {b->items, b->lines, b->link, b->src, b->dst, b->size};
+    const Py_ssize_t lengths[6] = {n, n + 1, n + 1, links, links, links};
+    const int64_t **into[6] = {&t->batches.items, &t->batches.lines, &t->batches.link,
+                               &t->batches.src, &t->batches.dst, &t->batches.size};
+    for (int c = 0; c < 6; c++) {
+        if (lengths[c]) memcpy(at, columns[c], (size_t)lengths[c] * sizeof(int64_t));
+        *into[c] = at;
+        at += lengths[c];
+    }
+    t->batches.batches = n;
+    t->python = d->record_call || d->wait_call || d->copy_call || table->call || kernel->call;
+    if (t->python) {
+        PyObject *objects[] = {d->record_call, d->wait_call, d->copy_call, table->call,
+                               kernel->call};
+        for (size_t i = 0; i < sizeof(objects) / sizeof(*objects); i++) Py_XINCREF(objects[i]);
+        for (int i = 0; i < 6; i++) Py_INCREF(t->events[i].object);
+    }
+    return t;
+}
+
+/* Drop a Python ticket's references (with the GIL held). */
+static void release_ticket(Ticket *t) {
+    PyObject *objects[] = {t->driver.record_call, t->driver.wait_call, t->driver.copy_call,
+                           t->table.call, t->kernel.call};
+    for (size_t i = 0; i < sizeof(objects) / sizeof(*objects); i++) Py_XDECREF(objects[i]);
+    for (int i = 0; i < 6; i++) Py_DECREF(t->events[i].object);
+}
+
+/* The pending exception as "Type: message" in `text` (cleared); with the GIL held. */
+static void describe_exception(char text[FAILURE_TEXT]) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *message = value ? PyObject_Str(value) : NULL;
+    const char *name = type ? ((PyTypeObject *)type)->tp_name : "Exception";
+    const char *said = message ? PyUnicode_AsUTF8(message) : NULL;
+    snprintf(text, FAILURE_TEXT, "%s: %s", name, said ? said : "(no message)");
+    PyErr_Clear();
+    Py_XDECREF(message);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+}
+
+/* Remember ticket `number`'s failure (with the lock held). Without memory for it the failure
+ * is lost and the job reads as ended; nothing better is possible there. */
+static void remember_failure(Submitter *s, uint64_t number, int status, const char *text) {
+    if (s->n_failures == s->cap_failures) {
+        Py_ssize_t cap = s->cap_failures ? 2 * s->cap_failures : 8;
+        Failure *grown = realloc(s->failures, (size_t)cap * sizeof(Failure));
+        if (!grown) return;
+        s->failures = grown;
+        s->cap_failures = cap;
+    }
+    Failure *f = &s->failures[s->n_failures++];
+    f->number = number;
+    f->status = status;
+    snprintf(f->text, FAILURE_TEXT, "%s", text ? text : "unknown call");
+}
+
+static void *submit_tickets(void *arg) {
+    Submitter *s = arg;
+    int context_status = s->set_context ? s->set_context(s->context) : 0;
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        while (!s->head && !s->stop) pthread_cond_wait(&s->wake, &s->lock);
+        Ticket *t = s->head;
+        if (t) {
+            s->head = t->next;
+            if (!s->head) s->tail = NULL;
+        }
+        pthread_mutex_unlock(&s->lock);
+        if (!t) break;
+        int status = context_status;
+        const char *failed = context_status ? "cuCtxSetCurrent" : NULL;
+        char text[FAILURE_TEXT] = "";
+        if (t->python) {
+            PyGILState_STATE gil = PyGILState_Ensure();
+            if (!status)
+                status = queue(&t->driver, t->lanes, t->compute, 1, t->events, &t->table,
+                               &t->kernel, &t->staging, &t->batches, &failed);
+            if (status < 0) describe_exception(text);
+            release_ticket(t);
+            PyGILState_Release(gil);
+        } else if (!status) {
+            status = queue(&t->driver, t->lanes, t->compute, 1, t->events, &t->table, &t->kernel,
+                           &t->staging, &t->batches, &failed);
+        }
+        pthread_mutex_lock(&s->lock);
+        if (status) remember_failure(s, t->number, status, status < 0 ? text : failed);
+        s->completed = t->number;
+        pthread_cond_broadcast(&s->advanced);
+        pthread_mutex_unlock(&s->lock);
+        free(t);
+    }
+    return NULL;
+}
+
+/* Hand `t` to the thread; its number, or 0 with an exception when the submitter is closed. */
+static uint64_t push_ticket(Submitter *s, Ticket *t) {
+    pthread_mutex_lock(&s->lock);
+    if (!s->running) {
+        pthread_mutex_unlock(&s->lock);
+        if (t->python) release_ticket(t);
+        free(t);
+        PyErr_SetString(PyExc_RuntimeError, "the submission thread is closed");
+        return 0;
+    }
+    t->next = NULL;
+    t->number = ++s->pushed;
+    if (s->tail)
+        s->tail->next = t;
+    else
+        s->head = t;
+    s->tail = t;
+    pthread_cond_signal(&s->wake);
+    pthread_mutex_unlock(&s->lock);
+    return t->number;
+}
+
+/* Block, without the GIL, until ticket `number` has been made (every ticket for 0 and past). */
+static void wait_for(Submitter *s, uint64_t number) {
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&s->lock);
+    uint64_t until = number && number < s->pushed ? number : s->pushed;
+    while (s->completed < until) pthread_cond_wait(&s->advanced, &s->lock);
+    pthread_mutex_unlock(&s->lock);
+    Py_END_ALLOW_THREADS
+}
+
+static void stop_thread(Submitter *s) {
+    pthread_mutex_lock(&s->lock);
+    int running = s->running;
+    s->running = 0;
+    s->stop = 1;
+    pthread_cond_signal(&s->wake);
+    pthread_mutex_unlock(&s->lock);
+    if (running) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(s->thread, NULL);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+static int Submitter_init(Submitter *s, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"set_context", "context", NULL};
+    unsigned long long set_context = 0, context = 0;
+    if (s->running) {
+        PyErr_SetString(PyExc_RuntimeError, "a Submitter is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|KK", names, &set_context, &context))
+        return -1;
+    s->set_context = (context_fn)(uintptr_t)set_context;
+    s->context = (void *)(uintptr_t)context;
+    if (pthread_mutex_init(&s->lock, NULL) || pthread_cond_init(&s->wake, NULL) ||
+        pthread_cond_init(&s->advanced, NULL)) {
+        PyErr_SetString(PyExc_RuntimeError, "could not make the submission thread's lock");
+        return -1;
+    }
+    int error = pthread_create(&s->thread, NULL, submit_tickets, s);
+    if (error) {
+        PyErr_Format(PyExc_RuntimeError, "could not start the submission thread (error %d)",
+                     error);
+        return -1;
+    }
+    s->running = 1;
+    return 0;
+}
+
+static void Submitter_dealloc(Submitter *s) {
+    if (s->running || s->stop) { /* initialised: stop the thread, then free what it used */
+        stop_thread(s);
+        pthread_mutex_destroy(&s->lock);
+        pthread_cond_destroy(&s->wake);
+        pthread_cond_destroy(&s->advanced);
+    }
+    free(s->failures);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *Submitter_finished(Submitter *s, PyObject *arg) {
+    unsigned long long number = PyLong_AsUnsignedLongLong(arg);
+    if (number == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    pthread_mutex_lock(&s->lock);
+    int finished = s->completed >= number;
+    pthread_mutex_unlock(&s->lock);
+    return PyBool_FromLong(finished);
+}
+
+static PyObject *Submitter_wait(Submitter *s, PyObject *arg) {
+    unsigned long long number = PyLong_AsUnsignedLongLong(arg);
+    if (number == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    wait_for(s, number);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Submitter_drain(Submitter *s, PyObject *unused) {
+    (void)unused;
+    wait_for(s, 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Submitter_failure(Submitter *s, PyObject *arg) {
+    unsigned long long number = PyLong_AsUnsignedLongLong(arg);
+    if (number == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Failure found = {0};
+    pthread_mutex_lock(&s->lock);
+    for (Py_ssize_t i = 0; i < s->n_failures; i++)
+        if (s->failures[i].number == number) {
+            found = s->failures[i];
+            s->failures[i] = s->failures[--s->n_failures];
+            break;
+        }
+    pthread_mutex_unlock(&s->lock);
+    if (!found.number) Py_RETURN_NONE;
+    return Py_BuildValue("(is)", found.status, found.text);
+}
+
+static PyObject *Submitter_close(Submitter *s, PyObject *unused) {
+    (void)unused;
+    stop_thread(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Submitter_pushed(Submitter *s, void *closure) {
+    (void)closure;
+    pthread_mutex_lock(&s->lock);
+    uint64_t pushed = s->pushed;
+    pthread_mutex_unlock(&s->lock);
+    return PyLong_FromUnsignedLongLong(pushed);
+}
+
+static PyMethodDef Submitter_methods[] = {
+    {"finished", (PyCFunction)Submitter_finished, METH_O,
+     "Whether the thread has made ticket `number`'s calls."},
+    {"wait", (PyCFunction)Submitter_wait, METH_O,
+     "Block, without the GIL, until ticket `number`'s calls are made."},
+    {"drain", (PyCFunction)Submitter_drain, METH_NOARGS,
+     "Block, without the GIL, until every ticket handed over is made."},
+    {"failure", (PyCFunction)Submitter_failure, METH_O,
+     "Take ticket `number`'s failure: None, or (status, call or exception)."},
+    {"close", (PyCFunction)Submitter_close, METH_NOARGS,
+     "Make every ticket, then stop the thread (idempotent)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Submitter_getset[] = {
+    {"pushed", (getter)Submitter_pushed, NULL, "The number of the last ticket handed over.",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject SubmitterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvferry.executors._native.Submitter",
+    .tp_doc = "A thread that makes staged jobs' driver calls in the order handed over.",
+    .tp_basicsize = sizeof(Submitter),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Submitter_init,
+    .tp_dealloc = (destructor)Submitter_dealloc,
+    .tp_methods = Submitter_methods,
+    .tp_getset = Submitter_getset,
+};
+
 /* What stage_job knows of a layout group (StagePlanner.job_constants). */
 enum { R_FIRST_REF, R_REFS, R_PAGE_PIECES, R_PAGE_BYTES, R_SIZE, R_DENSE, R_WIDTH };
 
 /* stage_job(constants, first, compute, previous, start, end, slot, ids, rows, group_sizes,
- *           block_indices) -> (batches or -1, None or (status, call))
+ *           block_indices, submitter=None) -> (batches or -1, None or (status, call))
  * A staged job planned and queued in one call, for the common job: its rows one consecutive
  * run, every group it moves filling its rows and, for a store, its chunks whole and its pages
  * unpadded. Then it plans as StagePlanner.plan, writes the ids and slice table after the ref
@@ -746,17 +1108,28 @@ enum { R_FIRST_REF, R_REFS, R_PAGE_PIECES, R_PAGE_BYTES, R_SIZE, R_DENSE, R_WIDT
  *   most blocks, warps, (capacity, ramp, f, row_bytes, per_piece, ref_values, groups)), with
  *   one R_WIDTH tuple per layout group in `groups`;
  * `slot`: (view, its address, its GPU tables' address, the StageKernel of the slot's jobs);
- * `ids`, `rows`: int64 buffers (anything else is declined), checked by the caller. */
+ * `ids`, `rows`: int64 buffers (anything else is declined), checked by the caller.
+ * With a `submitter`, the job's `ready` is recorded on the compute stream here and the rest of
+ * its calls go to the submitter's thread as the next ticket (`submitter.pushed` after the call):
+ * the answer is then that record's, and the ticket's is `submitter.failure(number)`. */
 static PyObject *stage_job(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *constants, *slot_in, *ids_in, *rows_in, *sizes_in, *firsts_in;
-    PyObject *events[6];
+    PyObject *events[6], *submitter_in = Py_None;
     int first;
     unsigned long long compute;
-    if (!PyArg_ParseTuple(args, "OpKOOOOOOOO", &constants, &first, &compute, &events[1],
+    if (!PyArg_ParseTuple(args, "OpKOOOOOOOO|O", &constants, &first, &compute, &events[1],
                           &events[2], &events[5], &slot_in, &ids_in, &rows_in, &sizes_in,
-                          &firsts_in))
+                          &firsts_in, &submitter_in))
         return NULL;
+    Submitter *submitter = NULL;
+    if (submitter_in != Py_None) {
+        if (!PyObject_TypeCheck(submitter_in, &SubmitterType)) {
+            PyErr_SetString(PyExc_TypeError, "submitter must be a Submitter or None");
+            return NULL;
+        }
+        submitter = (Submitter *)submitter_in;
+    }
     PyObject *driver_in, *table_in, *groups_in, *slot_view_in, *kernel_in;
     unsigned long long lanes_in[2], stages_in[2], host, slot_address, tables;
     long long most, warps, capacity, ramp, f, row_bytes, per_piece, ref_values;
@@ -770,8 +1143,9 @@ static PyObject *stage_job(PyObject *self, PyObject *args) {
     Driver driver = {0};
     Kernel kernel = {0};
     Upload table = {0};
+    Event resolved[6];
     if (parse_driver(driver_in, &driver) || parse_table_copy(table_in, &table) ||
-        parse_kernel(kernel_in, &kernel))
+        parse_kernel(kernel_in, &kernel) || resolve_events(&driver, events, resolved, 6))
         return NULL;
     Py_buffer ids_view, rows_view, slot_view;
     int have_ids = 0, have_rows = 0, have_slot = 0;
@@ -865,7 +1239,19 @@ static PyObject *stage_job(PyObject *self, PyObject *args) {
     const Column *src = store ? &stage : &tier, *dst = store ? &tier : &stage;
     const Batches b = {batches, items.data, bounds.data, link, src->data, dst->data, size.data};
     const char *failed = NULL;
-    int status = queue(&driver, lanes, compute, events, &table, &kernel, &staging, &b, &failed);
+    int status;
+    if (submitter) { /* `ready` marks the compute work queued before this submit: record it now */
+        status = record_event(&driver, &resolved[0], compute, &failed);
+        if (!status) {
+            Ticket *ticket = new_ticket(&driver, lanes, resolved, &table, &kernel, &staging, &b);
+            if (!ticket) goto done;
+            ticket->compute = compute;
+            if (!push_ticket(submitter, ticket)) goto done;
+        }
+    } else {
+        status = queue(&driver, lanes, compute, 0, resolved, &table, &kernel, &staging, &b,
+                       &failed);
+    }
     PyObject *failure = outcome(status, failed);
     if (failure) result = Py_BuildValue("(nN)", batches, failure);
     goto done;
@@ -905,4 +1291,12 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&SubmitterType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddObjectRef(m, "Submitter", (PyObject *)&SubmitterType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
