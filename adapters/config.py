@@ -186,6 +186,14 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
             help="staging buffer per direction of the torch and cupy executors",
         ),
         ConfigKey(
+            name="submit_thread",
+            kind="boolean",
+            default=False,
+            allowed="true or false (GPU executors only)",
+            parse=_parse_bool,
+            help="make staged jobs' CUDA calls on a thread of the executor's own",
+        ),
+        ConfigKey(
             name="record_events",
             kind="boolean",
             default=False,
@@ -215,6 +223,8 @@ class KvferryConfig:
     """Store generated tokens' chunks too."""
     staging_bytes: int | None = None
     """Staging bytes per direction for GPU executors; None: the executor's default."""
+    submit_thread: bool = False
+    """GPU executors make staged jobs' driver calls on a thread of their own."""
     record_events: bool = False
     """Keep catalog events for `drain_events`."""
 
@@ -299,7 +309,12 @@ class KvferryConfig:
 
     def executor_options(self) -> dict[str, Any]:
         """Return the backend keyword arguments for `make_executor` that this config sets."""
-        return {} if self.staging_bytes is None else {"staging_bytes": self.staging_bytes}
+        options: dict[str, Any] = {}
+        if self.staging_bytes is not None:
+            options["staging_bytes"] = self.staging_bytes
+        if self.submit_thread:
+            options["submit_thread"] = True
+        return options
 
 
 def _toml_loads() -> Callable[[str], dict[str, Any]]:

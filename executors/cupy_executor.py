@@ -97,6 +97,7 @@ class CupyExecutor(StagedGpuExecutor):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,
         kernel_priority: int = 0,
+        submit_thread: bool = False,
         copy_path: CopyPath | PathChoice = CopyPath.STAGED,
         zero_copy_blocks: int = 32,
     ) -> None:
@@ -120,6 +121,7 @@ class CupyExecutor(StagedGpuExecutor):
             staging_bytes=staging_bytes,
             copy_blocks=copy_blocks,
             kernel_priority=kernel_priority,
+            submit_thread=submit_thread,
         )
         with self._on_device():
             self._compute_stream = as_cupy_stream(cupy, compute_stream)

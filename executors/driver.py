@@ -42,6 +42,7 @@ class CudaDriver:
                     ctypes.c_void_p,
                 ],
                 "cuEventDestroy_v2": [ctypes.c_void_p],
+                "cuCtxGetCurrent": [ctypes.POINTER(ctypes.c_void_p)],
             }
             for name, argtypes in signatures.items():
                 function = getattr(library, name)
@@ -57,6 +58,14 @@ class CudaDriver:
         """The address of `cuEventRecord`."""
         self.wait_address = _address(self._lib.cuStreamWaitEvent)
         """The address of `cuStreamWaitEvent`."""
+        self.set_context_address = _address(self._lib.cuCtxSetCurrent)
+        """The address of `cuCtxSetCurrent`, which a submission thread calls once."""
+
+    def current_context(self) -> int:
+        """Return the calling thread's current `CUcontext` (0 when it has none)."""
+        handle = ctypes.c_void_p()
+        check_status(self._lib.cuCtxGetCurrent(ctypes.byref(handle)), "cuCtxGetCurrent")
+        return int(handle.value or 0)
 
     def event(self, *, timing: bool) -> int:
         """Return a new event on the current context (timing, or the cheaper kind without)."""

@@ -116,6 +116,10 @@ class GpuJob:
     finished: bool = False
     """Whether the host saw it end and gave its events to later jobs (`_finish`): from then on
     nothing waits on them for this job."""
+    ticket: int = 0
+    """With a submission thread: the number of the ticket that makes the job's calls, until the
+    host knows it was made (0: none, or made). CUDA reports an event that was never recorded as
+    complete, so nothing may ask the job's events anything before."""
 
 
 class StagedGpuExecutor(Executor):
@@ -129,6 +133,11 @@ class StagedGpuExecutor(Executor):
     direction (at least one row each), allocated on first use. The library owns streams, memory
     and the compiled kernel; a job's calls (events, DMAs, launches) go to the CUDA driver
     (`executors.driver`), on integer handles.
+
+    With `submit_thread`, a common staged job's calls after its `ready` record are made by a
+    thread of the executor's own (`_native.Submitter`), so `submit()` returns once the job is
+    planned, its tables written and `ready` recorded: see docs/executors.md, "The submission
+    thread". Off by default.
     """
 
     min_table_values = 1 << 16
@@ -144,8 +153,12 @@ class StagedGpuExecutor(Executor):
         staging_bytes: int,
         copy_blocks: int,
         kernel_priority: int = 0,
+        submit_thread: bool = False,
     ) -> None:
         super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
+        self._submit_thread = submit_thread
+        self._submitter: _native.Submitter | None = None
+        """The submission thread, started at the first staged job when `submit_thread`."""
         self._half_bytes = max(staging_bytes // 2, self.layout.row_bytes)
         self._copy_blocks = copy_blocks
         self._planner = StagePlanner(
@@ -236,6 +249,12 @@ class StagedGpuExecutor(Executor):
             self._driver = CudaDriver()
         return self._driver
 
+    def _thread_context(self) -> tuple[int, int]:
+        """Return what a submission thread calls, once, to make the executor's CUDA context
+        current: the address of `cuCtxSetCurrent` and the context (read on the device)."""
+        cuda = self._cuda()
+        return cuda.set_context_address, cuda.current_context()
+
     def _new_event(self, *, timing: bool = False) -> Any:
         """Return a new event (with timing when asked)."""
         return self._cuda().event(timing=timing)
@@ -325,6 +344,7 @@ class StagedGpuExecutor(Executor):
         """Return a new job of `direction` whose first lane waits on compute and on the previous
         job, its start recorded there (for a path that queues its own work; the staged path's
         `_native.queue_job` makes these calls itself)."""
+        self._drain()  # the thread's jobs first: these calls go to the same lanes
         job, previous = self._new_job(direction, path)
         failed = _native.begin_job(
             self._driver_calls(),
@@ -414,6 +434,7 @@ class StagedGpuExecutor(Executor):
         tables do not fit the slot."""
         direction = bound.plan.direction
         plan = bound.plan
+        submitter = self._submitter_now()
         batches, failed = _native.stage_job(
             self._constants.get(direction) or self._job_constants(direction),
             first,
@@ -426,9 +447,12 @@ class StagedGpuExecutor(Executor):
             bound.cpu_rows,
             plan.group_sizes,
             plan.block_indices,
+            submitter,
         )
         if failed:
             check_status(*failed)
+        if submitter is not None and batches >= 0:
+            job.ticket = submitter.pushed
         return batches
 
     def _queue_planned(
@@ -438,7 +462,9 @@ class StagedGpuExecutor(Executor):
         (`_write_tables`) and queue it as `job` from lane `first` (`_native.queue_job`), after
         `previous` (an end event, or None) and the work queued on raw stream `compute`; return
         the slot and the job's batches. What
-        `_native.stage_job` does in one call for the common job, step by step, for every job."""
+        `_native.stage_job` does in one call for the common job, step by step, for every job
+        (on the submitting thread, after the submission thread's jobs)."""
+        self._drain()
         direction = bound.plan.direction
         plan = self._planner.plan(bound)
         ids = np.asarray(bound.plan.gpu_block_ids, np.int64)
@@ -519,6 +545,8 @@ class StagedGpuExecutor(Executor):
         self._next_slot[direction] = (k + 1) % TABLE_SLOTS
         slot = slots[k]
         if slot.job is not None and not slot.job.finished:
+            if slot.job.ticket and self._submitter is not None:
+                self._submitter.wait(slot.job.ticket)  # its failure stays for its job's report
             self._synchronize_event(slot.job.end)
         slot.job = None
         return k, slot
@@ -574,16 +602,56 @@ class StagedGpuExecutor(Executor):
         )
 
     def _done(self, handle: GpuJob) -> bool:
+        if handle.ticket and not self._ticket_made(handle, block=False):
+            return False
         return self._event_done(handle.end)
 
     def _finish(self, handle: GpuJob) -> float:
         try:
+            if handle.ticket:
+                self._ticket_made(handle, block=True)
             return self._elapsed(handle.start, handle.end)
         finally:  # both have completed: the next jobs may record them again
             handle.finished = True
             self._spare_events += (handle.start, handle.end)
 
+    # --- the submission thread -----------------------------------------------------------------
+
+    def _submitter_now(self) -> _native.Submitter | None:
+        """Return the submission thread (started now, on the device, at the first call), or
+        None without `submit_thread`."""
+        if self._submitter is None and self._submit_thread:
+            self._submitter = _native.Submitter(*self._thread_context())
+        return self._submitter
+
+    def _drain(self) -> None:
+        """Block until the submission thread has made every job's calls handed to it."""
+        if self._submitter is not None:
+            self._submitter.drain()
+
+    def _ticket_made(self, job: GpuJob, *, block: bool) -> bool:
+        """Return whether the submission thread has made `job`'s calls (waiting for that when
+        `block`); once it has, forget the ticket, raising RuntimeError if its calls failed."""
+        submitter = self._submitter
+        if submitter is None:  # released, which made every ticket first
+            return True
+        if block:
+            submitter.wait(job.ticket)
+        elif not submitter.finished(job.ticket):
+            return False
+        failure = submitter.failure(job.ticket)
+        job.ticket = 0
+        if failure is not None:
+            status, what = failure
+            if status < 0:  # an exception of a callable driver (CPU tests)
+                raise RuntimeError(what)
+            check_status(status, what)
+        return True
+
     def _release(self) -> None:
+        if self._submitter is not None:
+            self._submitter.close()  # every ticket made: the streams then hold all the work
+            self._submitter = None
         for pair in self._lanes.values():
             for stream in pair:
                 self._synchronize(stream)

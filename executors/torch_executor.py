@@ -74,6 +74,7 @@ class TorchExecutor(StagedGpuExecutor):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,
         kernel_priority: int = 0,
+        submit_thread: bool = False,
     ) -> None:
         torch = load_torch()
         if not torch.cuda.is_available():
@@ -89,6 +90,7 @@ class TorchExecutor(StagedGpuExecutor):
             staging_bytes=staging_bytes,
             copy_blocks=copy_blocks,
             kernel_priority=kernel_priority,
+            submit_thread=submit_thread,
         )
         self._compute_stream = compute_stream
 

@@ -236,6 +236,9 @@ class StreamOrderModel(TorchOnCpuExecutor):
         self._writing = bound
         try:
             handle = super()._enqueue(bound)
+            # with a submission thread: let it make the job's calls now, so that the log
+            # names their job (the order they are queued in is the thread's, not changed)
+            self._drain()
         finally:
             self._job = None
         self._keep.append(handle)

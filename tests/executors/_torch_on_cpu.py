@@ -118,6 +118,9 @@ class TorchOnCpuExecutor(TorchExecutor):
     def _on_device(self) -> Any:
         return contextlib.nullcontext()
 
+    def _thread_context(self) -> tuple[int, int]:
+        return 0, 0  # no CUDA context for a submission thread to make current
+
     # no CUDA driver here: events are placeholders and every copy happens at once, in order
 
     def _stream_handle(self, stream: Any) -> int:

@@ -126,18 +126,25 @@ def _row_bytes(case: str, f: int) -> int:
     return _model(case, f, staging_bytes=1).executor.layout.row_bytes
 
 
-def _model(case: str, f: int, staging_bytes: int) -> Model:
+def _model(case: str, f: int, staging_bytes: int, *, submit_thread: bool = False) -> Model:
     register_executor(NAME, "_stream_model:StreamOrderModel")
     return Model(
-        TorchBackend(NAME, device="cpu"), LAYOUT_CASES[case], f, staging_bytes=staging_bytes
+        TorchBackend(NAME, device="cpu"),
+        LAYOUT_CASES[case],
+        f,
+        staging_bytes=staging_bytes,
+        submit_thread=submit_thread,
     )
 
 
-def run(scenario: Scenario, *, min_table_values: int | None = None) -> StreamOrderModel:
+def run(
+    scenario: Scenario, *, min_table_values: int | None = None, submit_thread: bool = False
+) -> StreamOrderModel:
     """Play `scenario` on a fresh model (its table buffers at least `min_table_values` int64,
-    when given), close it, and return the model with its log."""
+    when given; its staged jobs' calls made by a submission thread when `submit_thread`),
+    close it, and return the model with its log."""
     staging = 2 * scenario.rows_per_half * _row_bytes(scenario.case, scenario.f)
-    executor = _model(scenario.case, scenario.f, staging).executor
+    executor = _model(scenario.case, scenario.f, staging, submit_thread=submit_thread).executor
     assert isinstance(executor, StreamOrderModel)
     if min_table_values is not None:
         executor.min_table_values = min_table_values
@@ -412,6 +419,30 @@ def test_jobs_of_one_direction_write_and_end_in_submission_order(scenario: Scena
 def test_finishing_a_job_waits_on_its_own_timing_records(scenario: Scenario) -> None:
     model = run(scenario)
     _holds(timing_waits_on_other_records, model)
+    assert model.trace.misuse == []
+
+
+INVARIANTS: tuple[Invariant, ...] = (
+    staging_races,
+    kernels_reading_tables_not_written_for_them,
+    table_slots_rewritten_while_read,
+    device_tables_overwritten_while_read,
+    ops_outside_their_job,
+    ops_before_queued_compute,
+    writes_before_the_previous_job_of_their_direction,
+    timing_waits_on_other_records,
+)
+
+
+@PROPERTY
+@given(scenarios())
+def test_every_invariant_holds_when_a_submission_thread_makes_the_calls(
+    scenario: Scenario,
+) -> None:
+    model = run(scenario, submit_thread=True)
+    assert model._submitter is None  # closed with the executor
+    for invariant in INVARIANTS:
+        _holds(invariant, model)
     assert model.trace.misuse == []
 
 

@@ -1,0 +1,361 @@
+"""With `submit_thread`, a staged executor's own thread makes its common jobs' driver calls
+(`_native.Submitter`): the same calls, in the same order, as the submitting thread would make;
+nothing asks a job's events before the thread has made its calls; and every job still moves its
+bytes exactly."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from _harness import (
+    LAYOUT_CASES,
+    NUM_BLOCKS,
+    POISON_HOST,
+    GroupMove,
+    Model,
+    TorchBackend,
+    backend_for,
+    bound_plan,
+    expected_gpu,
+    expected_host,
+)
+from _torch_on_cpu import TorchOnCpuExecutor
+from test_stage_job import covered
+
+from kvferry.core.plan import Direction
+from kvferry.executors import _native, register_executor
+from kvferry.executors.kernels import PIECE_BYTES, THREADS
+from kvferry.executors.staged import TABLE_SLOTS, StagedGpuExecutor, StageKernel, TableCopy
+
+pytest.importorskip("torch")
+
+EXECUTORS = [
+    "torch-on-cpu",
+    pytest.param("torch", marks=pytest.mark.gpu),
+    pytest.param("cupy", marks=pytest.mark.gpu),
+]
+
+
+def _model(name: str, case: str, f: int, **options: Any) -> Model:
+    if name == "cupy":
+        pytest.importorskip("cupy")
+    return Model(backend_for(name), LAYOUT_CASES[case], f, submit_thread=True, **options)
+
+
+def _consecutive_moves(f: int, rng: np.random.Generator, chunks: int, groups: int) -> list[GroupMove]:
+    """`chunks` whole chunks per group at random GPU blocks, on rows 0, 1, 2, ... in group order:
+    the common job, which the submission thread makes."""
+    rows = itertools.count()
+    return [
+        GroupMove(
+            ids=tuple(int(i) for i in rng.choice(NUM_BLOCKS, size=chunks * f, replace=False)),
+            first=0,
+            rows=tuple(next(rows) for _ in range(chunks)),
+        )
+        for _ in range(groups)
+    ]
+
+
+@pytest.mark.parametrize("name", EXECUTORS)
+@pytest.mark.parametrize("case", sorted(LAYOUT_CASES))
+@pytest.mark.parametrize("f", [1, 3])
+def test_store_then_load_round_trips_every_byte_with_the_submission_thread(
+    name: str, case: str, f: int
+) -> None:
+    model = _model(name, case, f)
+    executor = model.executor
+    groups = len(LAYOUT_CASES[case])
+    rng = np.random.default_rng(f)
+    try:
+        model.fill_random(rng)
+        executor.host_tier.array[:] = POISON_HOST
+        source, host_before = model.snapshot(), executor.host_tier.array.copy()
+        store = _consecutive_moves(f, rng, 2, groups)
+        stored = bound_plan(1, Direction.STORE, f, store, executor.layout.fingerprint)
+        model.run(stored)
+        host_after = executor.host_tier.array.copy()
+        np.testing.assert_array_equal(host_after, expected_host(model, host_before, source, store))
+
+        model.poison()
+        poisoned = model.snapshot()
+        load = [
+            GroupMove(ids=move.ids[::-1], first=0, rows=move.rows) for move in store
+        ]  # other blocks' order: every page lands elsewhere
+        loaded = bound_plan(2, Direction.LOAD, f, load, executor.layout.fingerprint)
+        model.run(loaded)
+        expected = expected_gpu(model, poisoned, host_after, load)
+        for g, group in enumerate(model.snapshot()):
+            for t, data in enumerate(group):
+                np.testing.assert_array_equal(data, expected[g][t], err_msg=f"group {g} tensor {t}")
+        assert isinstance(executor, StagedGpuExecutor)
+        thread_jobs = executor._submitter.pushed if executor._submitter else 0
+        assert thread_jobs == covered(executor, stored) + covered(executor, loaded)
+    finally:
+        executor.close()
+
+
+# --- the calls, through driver addresses (ctypes callbacks standing in for libcuda) -----------
+
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+_COPY = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+)
+_LAUNCH = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    *[ctypes.c_uint] * 7,
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_void_p),
+    ctypes.c_void_p,
+)
+_SET_CONTEXT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+STAGE_FUNCTION, TABLE_FUNCTION, CONTEXT = 0xF00, 0x7AB, 0xC0
+COMPUTE = 5
+"""The raw compute stream of every job."""
+
+
+def _address(function: Any) -> int:
+    return int(ctypes.cast(function, ctypes.c_void_p).value or 0)
+
+
+class DriverRecorder(TorchOnCpuExecutor):
+    """The torch executor on CPU whose staged jobs call the driver by address, as on a GPU: each
+    call is only listed in `calls` with the thread that made it (nothing is copied); events are
+    integers and streams are told apart. `fail_copies` makes that many DMAs fail with status 1,
+    and `gate`, when cleared, holds every DMA until it is set."""
+
+    name = "driver-recorder"
+
+    def __init__(self, **options: Any) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.threads: list[int] = []
+        self.contexts: list[tuple[int, int, int]] = []
+        self.fail_copies = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self._events = itertools.count(1000)
+        self._streams: dict[int, int] = {}
+        self._callbacks = (
+            _RECORD(self._on_record),
+            _WAIT(self._on_wait),
+            _COPY(self._on_copy),
+            _LAUNCH(self._on_launch),
+            _SET_CONTEXT(self._on_set_context),
+        )
+        super().__init__(**options)
+
+    def _log(self, *call: Any) -> int:
+        self.calls.append(call)
+        self.threads.append(threading.get_ident())
+        return 0
+
+    def _on_record(self, event: int | None, stream: int | None) -> int:
+        return self._log("record", event or 0, stream or 0)
+
+    def _on_wait(self, stream: int | None, event: int | None, flags: int) -> int:
+        return self._log("wait", stream or 0, event or 0)
+
+    def _on_copy(self, dst: int, src: int, nbytes: int, stream: int | None) -> int:
+        self.gate.wait()
+        if self.fail_copies:
+            self.fail_copies -= 1
+            return 1
+        return self._log("copy", self._where(dst), self._where(src), nbytes, stream or 0)
+
+    def _where(self, address: int) -> tuple[Any, ...]:
+        """Return `address` as (buffer, offset): the tier, or a staging half by direction."""
+        tier = self.host_tier.address
+        if tier <= address < tier + self.host_tier.num_rows * self.layout.row_bytes:
+            return ("tier", address - tier)
+        for direction, (_, halves) in self._staging.items():
+            for half, base in enumerate(halves):
+                if base <= address < base + self._half_bytes:
+                    return ("stage", direction.value, half, address - base)
+        raise AssertionError(f"a copy at {address:#x}, in no buffer")
+
+    def _on_launch(self, function: int | None, grid: int, *args: Any) -> int:
+        stream = args[6]
+        return self._log("launch", function or 0, grid, stream or 0)
+
+    def _on_set_context(self, context: int | None) -> int:
+        self.contexts.append((context or 0, threading.get_ident(), len(self.calls)))
+        return 0
+
+    def _stream_handle(self, stream: Any) -> int:
+        return self._streams.setdefault(id(stream), 100 + len(self._streams))
+
+    def _compute_stream_now(self) -> int:
+        return COMPUTE
+
+    def _new_event(self, *, timing: bool = False) -> Any:
+        return next(self._events)
+
+    def _driver_calls(self) -> Any:
+        return tuple(_address(c) for c in self._callbacks[:3])
+
+    def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageKernel:
+        return (_address(self._callbacks[3]), STAGE_FUNCTION, THREADS, refs, ids, to_stage,
+                PIECE_BYTES)
+
+    def _table_copy(self) -> TableCopy:
+        return (_address(self._callbacks[3]), TABLE_FUNCTION, THREADS, 4)
+
+    def _thread_context(self) -> tuple[int, int]:
+        return _address(self._callbacks[4]), CONTEXT
+
+
+def _recorder(*, submit_thread: bool, rows_per_half: int = 2) -> DriverRecorder:
+    register_executor(DriverRecorder.name, "test_submit_thread:DriverRecorder")
+    probe = Model(TorchBackend(DriverRecorder.name, device="cpu"), LAYOUT_CASES["mla"], 1)
+    row_bytes = probe.executor.layout.row_bytes
+    probe.executor.close()
+    model = Model(
+        TorchBackend(DriverRecorder.name, device="cpu"),
+        LAYOUT_CASES["mla"],
+        1,
+        staging_bytes=2 * rows_per_half * row_bytes,
+        submit_thread=submit_thread,
+    )
+    assert isinstance(model.executor, DriverRecorder)
+    return model.executor
+
+
+def _job(job_id: int, direction: Direction, rows: range) -> Any:
+    move = GroupMove(ids=tuple(range(len(rows))), first=0, rows=tuple(rows))
+    return bound_plan(job_id, direction, 1, [move])
+
+
+def _jobs() -> Iterator[Any]:
+    """Stores and loads of 0 to 5 batches (two rows a batch), two in flight at times."""
+    for job_id, (direction, rows) in enumerate(
+        [
+            (Direction.STORE, range(0, 1)),
+            (Direction.LOAD, range(0, 3)),
+            (Direction.STORE, range(3, 13)),
+            (Direction.STORE, range(0, 0)),
+            (Direction.LOAD, range(2, 8)),
+            (Direction.STORE, range(13, 16)),
+        ],
+        start=1,
+    ):
+        yield _job(job_id, direction, rows)
+
+
+def _run_all(executor: DriverRecorder) -> None:
+    in_flight: list[int] = []
+    for bound in _jobs():
+        in_flight.append(executor.submit(bound))
+        if len(in_flight) == 2:
+            assert all(r.success for r in executor.wait(in_flight)), in_flight
+            in_flight.clear()
+    assert all(r.success for r in executor.close())
+
+
+def _is_ready_record(call: tuple[Any, ...]) -> bool:
+    return call[0] == "record" and call[2] == COMPUTE  # the one call on the compute stream
+
+
+def _made_by(executor: DriverRecorder, *, here: bool) -> list[tuple[Any, ...]]:
+    me = threading.get_ident()
+    return [c for c, thread in zip(executor.calls, executor.threads, strict=True) if (thread == me) == here]
+
+
+def test_the_thread_makes_the_calls_the_submitting_thread_would_make_in_the_same_order() -> None:
+    alone, threaded = _recorder(submit_thread=False), _recorder(submit_thread=True)
+    _run_all(alone)
+    _run_all(threaded)
+    assert _made_by(threaded, here=False) == [c for c in alone.calls if not _is_ready_record(c)]
+    assert len(alone.calls) > 6 * 4
+
+
+def test_only_each_jobs_ready_record_is_made_on_the_submitting_thread() -> None:
+    alone, threaded = _recorder(submit_thread=False), _recorder(submit_thread=True)
+    _run_all(alone)
+    _run_all(threaded)
+    assert _made_by(threaded, here=True) == [c for c in alone.calls if _is_ready_record(c)]
+    assert len(_made_by(threaded, here=True)) == 6  # one per job
+    assert len(set(threaded.threads) - {threading.get_ident()}) == 1
+
+
+def test_the_thread_makes_the_context_current_once_before_its_first_call() -> None:
+    executor = _recorder(submit_thread=True)
+    _run_all(executor)
+    ((context, thread, calls_before),) = executor.contexts
+    assert context == CONTEXT
+    assert thread != threading.get_ident()
+    assert set(executor.threads[calls_before:]) >= {thread}
+    assert thread not in executor.threads[:calls_before]
+
+
+def test_poll_reports_a_job_only_once_the_thread_has_made_its_calls() -> None:
+    executor = _recorder(submit_thread=True)
+    executor.gate.clear()
+    executor.submit(_job(1, Direction.STORE, range(0, 3)))
+    assert executor.poll() == []  # its end event is not recorded yet: CUDA would call it done
+    executor.gate.set()
+    (result,) = executor.wait([1])
+    assert result.success
+    executor.close()
+
+
+def test_a_call_that_fails_on_the_thread_fails_its_job_and_not_the_next() -> None:
+    executor = _recorder(submit_thread=True)
+    executor.fail_copies = 1
+    executor.submit(_job(1, Direction.STORE, range(0, 3)))
+    executor.submit(_job(2, Direction.STORE, range(3, 6)))
+    failed, succeeded = executor.wait([1, 2])
+    assert not failed.success
+    assert failed.error == "RuntimeError: cuMemcpyAsync failed with CUDA driver error 1"
+    assert succeeded.success
+    executor.close()
+
+
+def _release_later(gate: threading.Event) -> threading.Timer:
+    timer = threading.Timer(0.2, gate.set)
+    timer.start()
+    return timer
+
+
+def test_a_table_slot_is_written_again_only_once_the_thread_made_its_last_jobs_calls() -> None:
+    executor = _recorder(submit_thread=True)
+    executor.gate.clear()
+    for job_id in range(1, TABLE_SLOTS + 1):
+        executor.submit(_job(job_id, Direction.STORE, range(job_id, job_id + 1)))
+    submitter = executor._submitter
+    assert submitter is not None and not submitter.finished(1)
+    timer = _release_later(executor.gate)
+    executor.submit(_job(TABLE_SLOTS + 1, Direction.STORE, range(0, 1)))  # the first job's slot
+    assert submitter.finished(1)
+    timer.join()
+    assert all(r.success for r in executor.close())
+
+
+def test_a_job_the_compiled_call_declines_is_queued_after_the_threads_jobs() -> None:
+    executor = _recorder(submit_thread=True)
+    executor.gate.clear()
+    executor.submit(_job(1, Direction.STORE, range(0, 3)))
+    timer = _release_later(executor.gate)
+    scattered = GroupMove(ids=(0, 1), first=0, rows=(7, 4))  # rows not one run: the Python path
+    executor.submit(bound_plan(2, Direction.STORE, 1, [scattered]))
+    timer.join()
+    assert all(r.success for r in executor.close())
+    # job 1's `ready` here, its other calls on the thread, then all of job 2's calls here
+    here = [thread == threading.get_ident() for thread in executor.threads]
+    made = here.count(False)
+    assert made > 0 and here == [True] + [False] * made + [True] * (len(here) - 1 - made)
+
+
+def test_a_new_submitter_has_handed_nothing_over_and_drains_at_once() -> None:
+    submitter = _native.Submitter()
+    assert submitter.pushed == 0 and submitter.finished(0)
+    submitter.drain()
+    assert submitter.failure(1) is None
+    submitter.close()
+    submitter.close()  # closing again does nothing
