@@ -30,6 +30,7 @@ from test_stage_job import covered
 
 from kvferry.core.plan import Direction
 from kvferry.executors import _native, register_executor
+from kvferry.executors.base import CopyPath
 from kvferry.executors.kernels import PIECE_BYTES, THREADS
 from kvferry.executors.staged import TABLE_SLOTS, StagedGpuExecutor, StageKernel, TableCopy
 
@@ -48,7 +49,9 @@ def _model(name: str, case: str, f: int, **options: Any) -> Model:
     return Model(backend_for(name), LAYOUT_CASES[case], f, submit_thread=True, **options)
 
 
-def _consecutive_moves(f: int, rng: np.random.Generator, chunks: int, groups: int) -> list[GroupMove]:
+def _consecutive_moves(
+    f: int, rng: np.random.Generator, chunks: int, groups: int
+) -> list[GroupMove]:
     """`chunks` whole chunks per group at random GPU blocks, on rows 0, 1, 2, ... in group order:
     the common job, which the submission thread makes."""
     rows = itertools.count()
@@ -201,8 +204,15 @@ class DriverRecorder(TorchOnCpuExecutor):
         return tuple(_address(c) for c in self._callbacks[:3])
 
     def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageKernel:
-        return (_address(self._callbacks[3]), STAGE_FUNCTION, THREADS, refs, ids, to_stage,
-                PIECE_BYTES)
+        return (
+            _address(self._callbacks[3]),
+            STAGE_FUNCTION,
+            THREADS,
+            refs,
+            ids,
+            to_stage,
+            PIECE_BYTES,
+        )
 
     def _table_copy(self) -> TableCopy:
         return (_address(self._callbacks[3]), TABLE_FUNCTION, THREADS, 4)
@@ -264,7 +274,11 @@ def _is_ready_record(call: tuple[Any, ...]) -> bool:
 
 def _made_by(executor: DriverRecorder, *, here: bool) -> list[tuple[Any, ...]]:
     me = threading.get_ident()
-    return [c for c, thread in zip(executor.calls, executor.threads, strict=True) if (thread == me) == here]
+    return [
+        c
+        for c, thread in zip(executor.calls, executor.threads, strict=True)
+        if (thread == me) == here
+    ]
 
 
 def test_the_thread_makes_the_calls_the_submitting_thread_would_make_in_the_same_order() -> None:
@@ -294,12 +308,19 @@ def test_the_thread_makes_the_context_current_once_before_its_first_call() -> No
     assert thread not in executor.threads[:calls_before]
 
 
+def _release_later(gate: threading.Event) -> threading.Timer:
+    timer = threading.Timer(0.2, gate.set)
+    timer.start()
+    return timer
+
+
 def test_poll_reports_a_job_only_once_the_thread_has_made_its_calls() -> None:
     executor = _recorder(submit_thread=True)
     executor.gate.clear()
     executor.submit(_job(1, Direction.STORE, range(0, 3)))
+    timer = _release_later(executor.gate)  # should poll wait for the thread, it ends the wait
     assert executor.poll() == []  # its end event is not recorded yet: CUDA would call it done
-    executor.gate.set()
+    timer.join()
     (result,) = executor.wait([1])
     assert result.success
     executor.close()
@@ -315,12 +336,6 @@ def test_a_call_that_fails_on_the_thread_fails_its_job_and_not_the_next() -> Non
     assert failed.error == "RuntimeError: cuMemcpyAsync failed with CUDA driver error 1"
     assert succeeded.success
     executor.close()
-
-
-def _release_later(gate: threading.Event) -> threading.Timer:
-    timer = threading.Timer(0.2, gate.set)
-    timer.start()
-    return timer
 
 
 def test_a_table_slot_is_written_again_only_once_the_thread_made_its_last_jobs_calls() -> None:
@@ -350,6 +365,21 @@ def test_a_job_the_compiled_call_declines_is_queued_after_the_threads_jobs() -> 
     here = [thread == threading.get_ident() for thread in executor.threads]
     made = here.count(False)
     assert made > 0 and here == [True] + [False] * made + [True] * (len(here) - 1 - made)
+
+
+def test_a_job_on_another_path_begins_after_the_threads_jobs() -> None:
+    # the zero-copy path's first and last calls (`_begin`, `_end`), on the submitting thread
+    executor = _recorder(submit_thread=True)
+    executor.gate.clear()
+    executor.submit(_job(1, Direction.STORE, range(0, 3)))
+    timer = _release_later(executor.gate)
+    job = executor._begin(Direction.STORE, CopyPath.ZERO_COPY)
+    executor._end(Direction.STORE, job, 1)
+    timer.join()
+    here = [thread == threading.get_ident() for thread in executor.threads]
+    made = here.count(False)
+    assert made > 0 and here == [True] + [False] * made + [True] * (len(here) - 1 - made)
+    executor.close()
 
 
 def test_a_new_submitter_has_handed_nothing_over_and_drains_at_once() -> None:
