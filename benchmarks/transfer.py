@@ -66,6 +66,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cupy-128blocks": ("cupy", {"copy_blocks": 128}),
     "torch-16blocks": ("torch", {"copy_blocks": 16}),
     "cupy-16blocks": ("cupy", {"copy_blocks": 16}),
+    "torch-thread": ("torch", {"submit_thread": True}),
+    "cupy-thread": ("cupy", {"copy_path": CopyPath.STAGED, "submit_thread": True}),
     "torch-urgent": ("torch", {"kernel_priority": -1}),
     "cupy-urgent": ("cupy", {"kernel_priority": -1}),
     "cpu": ("cpu", {}),
