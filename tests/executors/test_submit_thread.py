@@ -103,6 +103,42 @@ def test_store_then_load_round_trips_every_byte_with_the_submission_thread(
         executor.close()
 
 
+@pytest.mark.parametrize("name", EXECUTORS)
+def test_jobs_of_one_direction_submitted_back_to_back_land_in_submission_order(name: str) -> None:
+    # eight stores of other blocks into the same rows, then eight loads of other rows into the
+    # same blocks, none waited for before the last: more jobs than table slots, all on the thread
+    model = _model(name, "blocks_first", 1)
+    executor = model.executor
+    rng = np.random.default_rng(7)
+    rows = tuple(range(4, 8))
+    fingerprint = executor.layout.fingerprint
+    try:
+        model.fill_random(rng)
+        source, host = model.snapshot(), executor.host_tier.array.copy()
+        sources = [rng.choice(NUM_BLOCKS, size=len(rows), replace=False) for _ in range(8)]
+        for job, ids in enumerate(sources):
+            move = GroupMove(ids=tuple(int(i) for i in ids), first=0, rows=rows)
+            executor.submit(bound_plan(job, Direction.STORE, 1, [move], fingerprint))
+            host = expected_host(model, host, source, [move])  # each store over the last
+        assert all(r.success for r in executor.wait(range(8)))
+        np.testing.assert_array_equal(executor.host_tier.array, host)
+
+        gpu = model.snapshot()
+        targets = tuple(int(i) for i in rng.choice(NUM_BLOCKS, size=4, replace=False))
+        for job in range(8, 16):
+            move = GroupMove(ids=targets, first=0, rows=tuple(range(job - 8, job - 4)))
+            executor.submit(bound_plan(job, Direction.LOAD, 1, [move], fingerprint))
+            gpu = expected_gpu(model, gpu, host, [move])  # each load over the last
+        assert all(r.success for r in executor.wait(range(8, 16)))
+        for g, group in enumerate(model.snapshot()):
+            for t, data in enumerate(group):
+                np.testing.assert_array_equal(data, gpu[g][t], err_msg=f"group {g} tensor {t}")
+        assert isinstance(executor, StagedGpuExecutor) and executor._submitter is not None
+        assert executor._submitter.pushed == 16
+    finally:
+        executor.close()
+
+
 # --- the calls, through driver addresses (ctypes callbacks standing in for libcuda) -----------
 
 _RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
