@@ -12,6 +12,7 @@ import ctypes
 from typing import Any
 
 import pytest
+from _driver_types import LAUNCH, MEMCPY, RECORD, WAIT, address
 
 from kvferry.executors import _native
 from kvferry.executors.kernels import PIECE_BYTES, THREADS, WARPS
@@ -20,20 +21,6 @@ from kvferry.executors.staged import (
     TABLE_COPY_ARGUMENTS,
     StagedGpuExecutor,
 )
-
-_LAUNCH = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    ctypes.c_void_p,
-    *([ctypes.c_uint] * 7),
-    ctypes.c_void_p,
-    ctypes.POINTER(ctypes.c_void_p),
-    ctypes.c_void_p,
-)
-_MEMCPY = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
-)
-_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 
 STAGE_KERNEL, TABLE_KERNEL = 77, 88
 LANES = (11, 12)
@@ -88,9 +75,9 @@ class _Driver:
             return self._record(("wait", stream, event))
 
         # kept alive with self
-        self._functions = (_LAUNCH(launch), _MEMCPY(memcpy), _RECORD(record), _WAIT(wait))
+        self._functions = (LAUNCH(launch), MEMCPY(memcpy), RECORD(record), WAIT(wait))
         self.launch_address, self.memcpy_address, self.record_address, self.wait_address = (
-            ctypes.cast(function, ctypes.c_void_p).value or 0 for function in self._functions
+            address(function) for function in self._functions
         )
 
     def _record(self, call: tuple[Any, ...]) -> int:

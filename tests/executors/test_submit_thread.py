@@ -5,7 +5,6 @@ bytes exactly."""
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import threading
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _driver_types import LAUNCH, MEMCPY, RECORD, SET_CONTEXT, WAIT, address
 from _harness import (
     LAYOUT_CASES,
     NUM_BLOCKS,
@@ -141,27 +141,9 @@ def test_jobs_of_one_direction_submitted_back_to_back_land_in_submission_order(n
 
 # --- the calls, through driver addresses (ctypes callbacks standing in for libcuda) -----------
 
-_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
-_COPY = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
-)
-_LAUNCH = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    ctypes.c_void_p,
-    *[ctypes.c_uint] * 7,
-    ctypes.c_void_p,
-    ctypes.POINTER(ctypes.c_void_p),
-    ctypes.c_void_p,
-)
-_SET_CONTEXT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 STAGE_FUNCTION, TABLE_FUNCTION, CONTEXT = 0xF00, 0x7AB, 0xC0
 COMPUTE = 5
 """The raw compute stream of every job."""
-
-
-def _address(function: Any) -> int:
-    return int(ctypes.cast(function, ctypes.c_void_p).value or 0)
 
 
 class DriverRecorder(TorchOnCpuExecutor):
@@ -182,11 +164,11 @@ class DriverRecorder(TorchOnCpuExecutor):
         self._events = itertools.count(1000)
         self._streams: dict[int, int] = {}
         self._callbacks = (
-            _RECORD(self._on_record),
-            _WAIT(self._on_wait),
-            _COPY(self._on_copy),
-            _LAUNCH(self._on_launch),
-            _SET_CONTEXT(self._on_set_context),
+            RECORD(self._on_record),
+            WAIT(self._on_wait),
+            MEMCPY(self._on_copy),
+            LAUNCH(self._on_launch),
+            SET_CONTEXT(self._on_set_context),
         )
         super().__init__(**options)
 
@@ -237,11 +219,11 @@ class DriverRecorder(TorchOnCpuExecutor):
         return next(self._events)
 
     def _driver_calls(self) -> Any:
-        return tuple(_address(c) for c in self._callbacks[:3])
+        return tuple(address(c) for c in self._callbacks[:3])
 
     def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageKernel:
         return (
-            _address(self._callbacks[3]),
+            address(self._callbacks[3]),
             STAGE_FUNCTION,
             THREADS,
             refs,
@@ -251,10 +233,10 @@ class DriverRecorder(TorchOnCpuExecutor):
         )
 
     def _table_copy(self) -> TableCopy:
-        return (_address(self._callbacks[3]), TABLE_FUNCTION, THREADS, 4)
+        return (address(self._callbacks[3]), TABLE_FUNCTION, THREADS, 4)
 
     def _thread_context(self) -> tuple[int, int]:
-        return _address(self._callbacks[4]), CONTEXT
+        return address(self._callbacks[4]), CONTEXT
 
 
 def _recorder(*, submit_thread: bool, rows_per_half: int = 2) -> DriverRecorder:
