@@ -190,16 +190,16 @@ class DriverRecorder(TorchOnCpuExecutor):
             return 1
         return self._log("copy", self._where(dst), self._where(src), nbytes, stream or 0)
 
-    def _where(self, address: int) -> tuple[Any, ...]:
-        """Return `address` as (buffer, offset): the tier, or a staging half by direction."""
-        tier = self.host_tier.address
-        if tier <= address < tier + self.host_tier.num_rows * self.layout.row_bytes:
-            return ("tier", address - tier)
+    def _where(self, at: int) -> tuple[Any, ...]:
+        """Return the address `at` as (buffer, offset): the tier, or a staging half by direction."""
+        tier = self.host_tier.at
+        if tier <= at < tier + self.host_tier.num_rows * self.layout.row_bytes:
+            return ("tier", at - tier)
         for direction, (_, halves) in self._staging.items():
             for half, base in enumerate(halves):
-                if base <= address < base + self._half_bytes:
-                    return ("stage", direction.value, half, address - base)
-        raise AssertionError(f"a copy at {address:#x}, in no buffer")
+                if base <= at < base + self._half_bytes:
+                    return ("stage", direction.value, half, at - base)
+        raise AssertionError(f"a copy at {at:#x}, in no buffer")
 
     def _on_launch(self, function: int | None, grid: int, *args: Any) -> int:
         stream = args[6]
