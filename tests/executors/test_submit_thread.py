@@ -192,7 +192,7 @@ class DriverRecorder(TorchOnCpuExecutor):
 
     def _where(self, at: int) -> tuple[Any, ...]:
         """Return the address `at` as (buffer, offset): the tier, or a staging half by direction."""
-        tier = self.host_tier.at
+        tier = self.host_tier.address
         if tier <= at < tier + self.host_tier.num_rows * self.layout.row_bytes:
             return ("tier", at - tier)
         for direction, (_, halves) in self._staging.items():
