@@ -42,6 +42,7 @@ from transfer import KIB, VARIANTS, _bound, bench_kv_caches, catalog_rows, cuda_
 
 from kvferry.core.plan import Direction
 from kvferry.executors import _native, make_executor
+from kvferry.executors.staged import StagedGpuExecutor
 
 BLOCKS = 2048
 STEPS = ("_checked_bytes", "_free_slot", "_new_job", "_compute_stream_now", "_write_tables")
@@ -108,6 +109,8 @@ def breakdown(
     name, options = VARIANTS[variant]
     moved, num_blocks, kv = bench_kv_caches(torch, 32, page, BLOCKS * 32 * page)
     executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
+    if not isinstance(executor, StagedGpuExecutor):
+        raise SystemExit(f"{variant}: the breakdown times the staged path's steps only")
     if not driver:
         _without_driver(executor)
     try:
