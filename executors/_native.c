@@ -972,7 +972,7 @@ static void stop_thread(Submitter *s) {
 static int Submitter_init(Submitter *s, PyObject *args, PyObject *kwds) {
     static char *names[] = {"set_context", "context", NULL};
     unsigned long long set_context = 0, context = 0;
-    if (s->running) {
+    if (s->running || s->stop) {
         PyErr_SetString(PyExc_RuntimeError, "a Submitter is initialised once");
         return -1;
     }

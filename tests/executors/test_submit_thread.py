@@ -407,3 +407,12 @@ def test_a_new_submitter_has_handed_nothing_over_and_drains_at_once() -> None:
     assert submitter.failure(1) is None
     submitter.close()
     submitter.close()  # closing again does nothing
+
+
+def test_a_submitter_is_started_once() -> None:
+    submitter = _native.Submitter()
+    with pytest.raises(RuntimeError, match="initialised once"):
+        submitter.__init__()  # type: ignore[misc]
+    submitter.close()
+    with pytest.raises(RuntimeError, match="initialised once"):
+        submitter.__init__()  # type: ignore[misc]
