@@ -1094,7 +1094,8 @@ static PyTypeObject SubmitterType = {
 enum { R_FIRST_REF, R_REFS, R_PAGE_PIECES, R_PAGE_BYTES, R_SIZE, R_DENSE, R_WIDTH };
 
 /* stage_job(constants, first, compute, previous, start, end, slot, ids, rows, group_sizes,
- *           block_indices, submitter=None) -> (batches or -1, None or (status, call))
+ *           block_indices, submitter=None, ready=None)
+ *   -> (batches or -1, None or (status, call))
  * A staged job planned and queued in one call, for the common job: its rows one consecutive
  * run, every group it moves filling its rows and, for a store, its chunks whole and its pages
  * unpadded. Then it plans as StagePlanner.plan, writes the ids and slice table after the ref
@@ -1111,16 +1112,18 @@ enum { R_FIRST_REF, R_REFS, R_PAGE_PIECES, R_PAGE_BYTES, R_SIZE, R_DENSE, R_WIDT
  * `ids`, `rows`: int64 buffers (anything else is declined), checked by the caller.
  * With a `submitter`, the job's `ready` is recorded on the compute stream here and the rest of
  * its calls go to the submitter's thread as the next ticket (`submitter.pushed` after the call):
- * the answer is then that record's, and the ticket's is `submitter.failure(number)`. */
+ * the answer is then that record's, and the ticket's is `submitter.failure(number)`. A `ready`
+ * event given replaces the direction's in `constants` (a job's own, so that a later job's
+ * record cannot move what this one waits for before the thread has made its wait). */
 static PyObject *stage_job(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *constants, *slot_in, *ids_in, *rows_in, *sizes_in, *firsts_in;
-    PyObject *events[6], *submitter_in = Py_None;
+    PyObject *events[6], *submitter_in = Py_None, *ready_in = Py_None;
     int first;
     unsigned long long compute;
-    if (!PyArg_ParseTuple(args, "OpKOOOOOOOO|O", &constants, &first, &compute, &events[1],
+    if (!PyArg_ParseTuple(args, "OpKOOOOOOOO|OO", &constants, &first, &compute, &events[1],
                           &events[2], &events[5], &slot_in, &ids_in, &rows_in, &sizes_in,
-                          &firsts_in, &submitter_in))
+                          &firsts_in, &submitter_in, &ready_in))
         return NULL;
     Submitter *submitter = NULL;
     if (submitter_in != Py_None) {
@@ -1140,6 +1143,7 @@ static PyObject *stage_job(PyObject *self, PyObject *args) {
                           &f, &row_bytes, &per_piece, &ref_values, &groups_in) ||
         !PyArg_ParseTuple(slot_in, "OKKO", &slot_view_in, &slot_address, &tables, &kernel_in))
         return NULL;
+    if (ready_in != Py_None) events[0] = ready_in; /* the job's own, not the direction's */
     Driver driver = {0};
     Kernel kernel = {0};
     Upload table = {0};

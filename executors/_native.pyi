@@ -86,6 +86,7 @@ def stage_job(
     group_sizes: Sequence[int],
     block_indices: Sequence[int],
     submitter: Submitter | None = None,
+    ready: Any = None,
     /,
 ) -> tuple[int, tuple[int, str] | None]: ...
 

@@ -120,6 +120,9 @@ class GpuJob:
     """With a submission thread: the number of the ticket that makes the job's calls, until the
     host knows it was made (0: none, or made). CUDA reports an event that was never recorded as
     complete, so nothing may ask the job's events anything before."""
+    ready: Any = None
+    """With a submission thread: the job's own `ready` event, recorded on the compute stream by
+    `submit()`, until the ticket (which waits on it) is made; then it goes back to the pool."""
 
 
 class StagedGpuExecutor(Executor):
@@ -195,6 +198,8 @@ class StagedGpuExecutor(Executor):
         lane after its previous job's last batch (see `_enqueue_staged`)."""
         self._spare_events: list[Any] = []
         """Timing events of finished jobs, for the next jobs (creating one is a driver call)."""
+        self._spare_ready: list[Any] = []
+        """`ready` events of jobs whose tickets were made (`GpuJob.ready`), for the next ones."""
         self._staging: dict[Direction, tuple[list[Any], tuple[int, int]]] = {}
         self._tables: dict[Direction, list[_TableSlot]] = {}
         self._next_slot: dict[Direction, int] = {}
@@ -435,6 +440,9 @@ class StagedGpuExecutor(Executor):
         direction = bound.plan.direction
         plan = bound.plan
         submitter = self._submitter_now()
+        ready = None
+        if submitter is not None:  # the job's own: see GpuJob.ready
+            ready = self._spare_ready.pop() if self._spare_ready else self._new_event()
         batches, failed = _native.stage_job(
             self._constants.get(direction) or self._job_constants(direction),
             first,
@@ -448,11 +456,15 @@ class StagedGpuExecutor(Executor):
             plan.group_sizes,
             plan.block_indices,
             submitter,
+            ready,
         )
+        if submitter is not None:
+            if batches >= 0 and not failed:
+                job.ticket, job.ready = submitter.pushed, ready
+            else:  # declined, or its record failed: no ticket waits on it
+                self._spare_ready.append(ready)
         if failed:
             check_status(*failed)
-        if submitter is not None and batches >= 0:
-            job.ticket = submitter.pushed
         return batches
 
     def _queue_planned(
@@ -641,6 +653,9 @@ class StagedGpuExecutor(Executor):
             return False
         failure = submitter.failure(job.ticket)
         job.ticket = 0
+        if job.ready is not None:  # the ticket's wait on it is made: a new record cannot move it
+            self._spare_ready.append(job.ready)
+            job.ready = None
         if failure is not None:
             status, what = failure
             if status < 0:  # an exception of a callable driver (CPU tests)
@@ -660,9 +675,11 @@ class StagedGpuExecutor(Executor):
             *self._joined.values(),
             *self._uploaded.values(),
             *self._spare_events,
+            *self._spare_ready,
         ):
             self._destroy_event(event)
         self._spare_events.clear()
+        self._spare_ready.clear()
         self._last_job.clear()
         self._staging.clear()
         self._tables.clear()

@@ -290,30 +290,60 @@ def _is_ready_record(call: tuple[Any, ...]) -> bool:
     return call[0] == "record" and call[2] == COMPUTE  # the one call on the compute stream
 
 
-def _made_by(executor: DriverRecorder, *, here: bool) -> list[tuple[Any, ...]]:
-    me = threading.get_ident()
-    return [
-        c
-        for c, thread in zip(executor.calls, executor.threads, strict=True)
-        if (thread == me) == here
-    ]
+def _canonical(executor: DriverRecorder, *, here: bool) -> list[tuple[Any, ...]]:
+    """Return the calls made on this thread (`here`) or on another, with every event recorded on
+    the compute stream named "ready" and every other event numbered by its first use among
+    them (the two kinds of run create their events in other orders)."""
+    ready = {call[1] for call in executor.calls if _is_ready_record(call)}
+    names: dict[int, int] = {}
+
+    def name(event: int) -> int | str:
+        return "ready" if event in ready else names.setdefault(event, len(names))
+
+    me, calls = threading.get_ident(), []
+    for call, thread in zip(executor.calls, executor.threads, strict=True):
+        if (thread == me) != here:
+            continue
+        if call[0] == "record":
+            calls.append(("record", name(call[1]), call[2]))
+        elif call[0] == "wait":
+            calls.append(("wait", call[1], name(call[2])))
+        else:
+            calls.append(call)
+    return calls
 
 
 def test_the_thread_makes_the_calls_the_submitting_thread_would_make_in_the_same_order() -> None:
     alone, threaded = _recorder(submit_thread=False), _recorder(submit_thread=True)
     _run_all(alone)
     _run_all(threaded)
-    assert _made_by(threaded, here=False) == [c for c in alone.calls if not _is_ready_record(c)]
-    assert len(alone.calls) > 6 * 4
+    expected = [c for c in _canonical(alone, here=True) if not _is_ready_record(c)]
+    assert _canonical(threaded, here=False) == expected
+    assert len(expected) > 6 * 4
 
 
 def test_only_each_jobs_ready_record_is_made_on_the_submitting_thread() -> None:
     alone, threaded = _recorder(submit_thread=False), _recorder(submit_thread=True)
     _run_all(alone)
     _run_all(threaded)
-    assert _made_by(threaded, here=True) == [c for c in alone.calls if _is_ready_record(c)]
-    assert len(_made_by(threaded, here=True)) == 6  # one per job
+    expected = [c for c in _canonical(alone, here=True) if _is_ready_record(c)]
+    assert _canonical(threaded, here=True) == expected
+    assert len(expected) == 6  # one per job
     assert len(set(threaded.threads) - {threading.get_ident()}) == 1
+
+
+def test_each_job_waits_on_its_own_ready_record_even_when_the_thread_lags() -> None:
+    # with the direction's one `ready` event, the second record would move the first job's wait
+    executor = _recorder(submit_thread=True)
+    executor.gate.clear()
+    executor.submit(_job(1, Direction.STORE, range(0, 3)))
+    executor.submit(_job(2, Direction.STORE, range(3, 6)))
+    executor.gate.set()
+    assert all(r.success for r in executor.close())
+    recorded = [call[1] for call in executor.calls if _is_ready_record(call)]
+    waited = [call[2] for call in executor.calls if call[0] == "wait" and call[2] in recorded]
+    assert len(set(recorded)) == 2
+    assert waited == recorded
 
 
 def test_the_thread_makes_the_context_current_once_before_its_first_call() -> None:
