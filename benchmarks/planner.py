@@ -34,6 +34,7 @@ from kvferry.core import (
     OffloadConfig,
     RequestState,
     StoreOutcome,
+    TransferPlan,
     due_for_store,
     extend_keys,
     lookup,
@@ -105,16 +106,19 @@ def bench_lookup_and_load(blocks_per_chunk: int, repeat: int) -> dict[str, Any]:
     )
     keys = [key for group_keys in state.keys for key in group_keys]
     catalog = Catalog(CatalogConfig(capacity_rows=len(keys)))
-    catalog.complete_store(catalog.reserve(keys).keys, success=True)
+    reservation = catalog.reserve(keys)
+    if reservation is None:
+        raise AssertionError("a catalog of len(keys) rows has room for the keys")
+    catalog.complete_store(reservation.keys, success=True)
     view = catalog.view()
     hit = lookup(config, state, num_tokens=num_tokens, num_computed_tokens=0, tier=view)
     blocks = _engine_blocks(num_tokens, hit.tokens)
 
-    def lookup_and_load() -> object:
+    def lookup_and_load() -> tuple[TransferPlan, RequestState]:
         found = lookup(config, state, num_tokens=num_tokens, num_computed_tokens=0, tier=view)
         return plan_load(config, state, blocks, num_computed_tokens=0, hit_tokens=found.tokens)
 
-    plan, _ = lookup_and_load()  # type: ignore[misc]
+    plan, _ = lookup_and_load()
     return {
         "blocks_per_chunk": blocks_per_chunk,
         "keys": len(keys),
@@ -287,7 +291,7 @@ def main() -> int:
     json_path = args.json or (args.png.with_suffix(".json") if args.png else None)
     if json_path:
         json_path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    if args.png:
+    if args.png and json_path:
         from kvferry.adapters.bench import plot_planner  # draws `kvferry bench`'s plots too
 
         plot_planner(json_path, args.png)

@@ -6,9 +6,11 @@ A value: the arrays are private read-only copies, checked once at construction.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from kvferry.core.arrays import (
     FlagArray,
@@ -74,12 +76,13 @@ class GroupBlocks:
     @classmethod
     def of(
         cls,
-        ids: Sequence[int],
+        ids: Sequence[int] | npt.NDArray[np.integer[Any]],
         *,
         null: Sequence[int] = (),
         cached: Sequence[int] = (),
     ) -> GroupBlocks:
-        """Return blocks with the given ids, null at the indices `null`, cached at `cached`."""
+        """Return blocks with the given ids (a sequence or a 1-D array of integers), null at the
+        indices `null`, cached at `cached`."""
         n = len(ids)
         is_null = np.zeros(n, dtype=np.bool_)
         is_cached = np.zeros(n, dtype=np.bool_)
