@@ -354,7 +354,8 @@ def _section_configs(run: _Run) -> tuple[list[dict[str, Any]], dict[str, _Jobs]]
     args = run.args
     print(f"\n1. {args.page_kib} KiB pages, {args.layers} layers, {args.gib} GiB per job")
     print(f"{'config':>10} {'smem/block':>10} {'store':>6} {'load':>6} {'both':>6}  round trip")
-    rows, sources = [], {}
+    rows: list[dict[str, Any]] = []
+    sources: dict[str, _Jobs] = {}
     for text in args.configs.split(","):
         jobs = run.jobs(text, run.page, run.kv, run.moved)
         correct = round_trips(run.torch, jobs, run.kv, run.host, run.page)

@@ -59,7 +59,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvferry.executors.driver import CudaDriver
+from kvferry.executors.driver import CudaDriver, check_status
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -109,18 +109,41 @@ _BATCH_V12 = ctypes.CFUNCTYPE(
 """CUDA 12.8 ABI (`cuMemcpyBatchAsync`): the same with `size_t* failIdx` before hStream."""
 
 
-_Driver = CudaDriver
-"""Events and `cuMemcpyAsync`: kvferry's own driver calls."""
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)
+"""`cuEventRecord(event, stream)`."""
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, ctypes.c_uint)
+"""`cuStreamWaitEvent(stream, event, flags)`."""
+_MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, _P)
+"""`cuMemcpyAsync(dst, src, bytes, stream)`."""
 
 
-def _check(status: int, call: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{call} failed with CUDA driver error {status}")
+class _Driver(CudaDriver):
+    """kvferry's CudaDriver, plus the three stream calls this script makes from Python; the
+    executors make them from compiled code, at the addresses CudaDriver gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._record = _RECORD(self.record_address)
+        self._wait = _WAIT(self.wait_address)
+        self._memcpy = _MEMCPY(self.memcpy_address)
+
+    def record(self, event: int, stream: int) -> None:
+        """Record `event` on `stream`."""
+        check_status(self._record(event, stream), "cuEventRecord")
+
+    def wait(self, stream: int, event: int) -> None:
+        """Make `stream` wait for `event`."""
+        check_status(self._wait(stream, event, 0), "cuStreamWaitEvent")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of `nbytes` from `src` to `dst` on `stream`."""
+        check_status(self._memcpy(dst, src, nbytes, stream), "cuMemcpyAsync")
 
 
 def _load_driver() -> tuple[_Driver, str]:
-    """Return kvferry's CudaDriver and its name (for the report)."""
-    return CudaDriver(), "kvferry.executors.driver.CudaDriver"
+    """Return kvferry's CudaDriver with this script's stream calls, and its name (for the
+    report)."""
+    return _Driver(), "kvferry.executors.driver.CudaDriver"
 
 
 class _Libcuda:
@@ -144,28 +167,28 @@ class _Libcuda:
 
     def driver_version(self) -> int:
         version = ctypes.c_int()
-        _check(self.lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+        check_status(self.lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
         return version.value
 
     def ensure_context(self, ordinal: int) -> str:
         """Make sure a context is current on this thread (torch's primary one); describe it."""
         ctx = _P()
-        _check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        check_status(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         if ctx.value:
             return f"torch's current context 0x{ctx.value:x}"
         device = ctypes.c_int()
-        _check(self.lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
-        _check(
+        check_status(self.lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+        check_status(
             self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device),
             "cuDevicePrimaryCtxRetain",
         )
-        _check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        check_status(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         return f"no current context; made the primary context 0x{ctx.value or 0:x} current"
 
     def copy_engines(self) -> int:
         device, value = ctypes.c_int(), ctypes.c_int()
-        _check(self.lib.cuCtxGetDevice(ctypes.byref(device)), "cuCtxGetDevice")
-        _check(
+        check_status(self.lib.cuCtxGetDevice(ctypes.byref(device)), "cuCtxGetDevice")
+        check_status(
             self.lib.cuDeviceGetAttribute(
                 ctypes.byref(value), CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT, device
             ),

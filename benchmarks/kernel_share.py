@@ -45,6 +45,7 @@ from transfer import (
 
 from kvferry.core.plan import Direction
 from kvferry.executors import make_executor
+from kvferry.executors.staged import StagedGpuExecutor
 
 GIB = 1 << 30
 PAGES_KIB = (16, 64, 256)
@@ -67,9 +68,11 @@ def kernel_seconds_per_gib(torch: Any, page: int, direction: Direction) -> float
     name, options = VARIANTS["torch"]
     moved, num_blocks, kv = bench_kv_caches(torch, 32, page, GIB)
     executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
+    if not isinstance(executor, StagedGpuExecutor):
+        raise TypeError(f"the torch variant made a {type(executor).__name__}, not a staged one")
     record, wait, _ = executor._driver_calls()
     # the kernels alone: no byte crosses the link
-    executor._driver_calls = lambda: (record, wait, lambda *_: None)
+    setattr(executor, "_driver_calls", lambda: (record, wait, lambda *_: None))  # noqa: B010
     rng = np.random.default_rng(2)
     times = []
     try:
