@@ -13,8 +13,11 @@ batched planner would keep the checks and the room rule, so it would be slower t
 script first checks, untimed, that the stripped step makes exactly the library's plans and
 next states, step by step; then it times both steps over the same 64 decode steps, alternating,
 `--rounds` times each, and prints the mean ms per step of each round and the ratio of medians.
+With `--keys library` the stripped step keys new chunks with `extend_keys`, as an engine
+would (a batched planner changes the planning, not the keying): the bound of the planning alone.
 
-    python3 benchmarks/store_batch_bound.py --rounds 6
+    python3 benchmarks/store_batch_bound.py --rounds 8
+    python3 benchmarks/store_batch_bound.py --rounds 8 --keys library
 """
 
 from __future__ import annotations
@@ -143,9 +146,10 @@ def _batch_plans(
     return decisions
 
 
-def _stripped_steps(steps: int, *, check: bool) -> tuple[int, list[float]]:
+def _stripped_steps(steps: int, *, check: bool, library_keys: bool) -> tuple[int, list[float]]:
     """Return (store plans made, ms per step) of the stripped step over `planner.py`'s F = 1
-    decode steps; with `check`, compare each step's decisions with the library's (untimed)."""
+    decode steps (keyed by `extend_keys` when `library_keys`, else appended in place); with
+    `check`, compare each step's decisions with the library's (untimed)."""
     config = _config(1)
     prompts, blocks, hashes, states, catalog = _decode_requests(config, steps)
     view = catalog.view()
@@ -162,7 +166,11 @@ def _stripped_steps(steps: int, *, check: bool) -> tuple[int, list[float]]:
         num_tokens = prompt_column + (step + 1)
         for r in np.flatnonzero(num_tokens % BLOCK == 0).tolist():
             grown[r].append(hashes[r][len(grown[r])])  # the engine's own list grows
-            states[r] = _extended(states[r], grown[r], hash_steps)
+            states[r] = (
+                extend_keys(config, states[r], grown[r])
+                if library_keys
+                else _extended(states[r], grown[r], hash_steps)
+            )
         due_array = due_for_store(
             config,
             states,
@@ -232,16 +240,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument(
+        "--keys",
+        choices=("appended", "library"),
+        default="appended",
+        help="how the stripped step keys new chunks: appended in place (no check), or "
+        "extend_keys (only the planning is stripped)",
+    )
     args = parser.parse_args()
 
-    checked, _ = _stripped_steps(args.steps, check=True)
+    library_keys = args.keys == "library"
+    checked, _ = _stripped_steps(args.steps, check=True, library_keys=library_keys)
     print(f"checked: the stripped step made the library's {checked} plans and next states")
     library: list[float] = []
     stripped: list[float] = []
     for _ in range(args.rounds):
         plans, ms = _store_steps(1, args.steps, batched=True)
         library.append(statistics.fmean(ms))
-        bound_plans, ms = _stripped_steps(args.steps, check=False)
+        bound_plans, ms = _stripped_steps(args.steps, check=False, library_keys=library_keys)
         stripped.append(statistics.fmean(ms))
         if bound_plans != plans:
             raise AssertionError(f"{bound_plans} stripped plans, {plans} library plans")
