@@ -122,7 +122,7 @@ def _batch_plans(
     statuses = tier.statuses(candidates)
     decisions = []
     for state, request_blocks, next_cursor, per_group, first, last in work:
-        if _MISS not in statuses[first:last]:
+        if statuses[first:last].count(_MISS) != last - first:
             raise AssertionError("the bound covers only steps where every candidate is new")
         ids, sizes, firsts = _gpu_side(request_blocks, per_group, len(next_cursor), f)
         keys = tuple(candidates[first:last])
