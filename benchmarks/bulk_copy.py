@@ -434,7 +434,7 @@ def main() -> int:
     rows, sources = _section_configs(run)
     rows += _section_pages(run)
     print(f"\n3. the matmul loop beside each arm, {args.rounds} paired rounds")
-    matmul = _Matmul(torch, args.matmuls, args.warmup_matmuls)
+    matmul = _Matmul(torch, args.matmuls, args.warmup_matmuls, priority=args.matmul_priority)
     matmul.alone()
     references: dict[str, _Jobs] = {
         PINNED: _PinnedCopyJobs(torch, run.total),

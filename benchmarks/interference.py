@@ -180,11 +180,11 @@ class _Matmul:
     loop. The untimed matmuls bring every loop to the same state before its clock starts, so a
     slowdown measures what runs beside the loop, not what ran before it."""
 
-    def __init__(self, torch: Any, count: int, warmup: int) -> None:
+    def __init__(self, torch: Any, count: int, warmup: int, *, priority: int = 0) -> None:
         self._torch = torch
         self._count = count
         self._warmup = warmup
-        self._stream = torch.cuda.Stream()
+        self._stream = torch.cuda.Stream(priority=priority)
         with torch.cuda.stream(self._stream):
             self._a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
             self._b = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
@@ -514,6 +514,14 @@ def add_job_and_matmul_options(parser: argparse.ArgumentParser) -> None:
         default=300,
         help="untimed matmuls before each timed loop (see _Matmul)",
     )
+    parser.add_argument(
+        "--matmul-priority",
+        type=int,
+        default=0,
+        help="the matmul stream's CUDA priority (default 0, the least urgent, as the "
+        "executors' streams; -1 or less: more urgent than the staging kernels, so a waiting "
+        "matmul block is scheduled before a waiting staging block)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -614,7 +622,7 @@ def main() -> int:
     total = int(args.gib * (1 << 30))
     ceiling = _ceiling(torch, total, 3)
     bidir = _bidirectional_ceiling(torch, total, args.window * 2)
-    matmul = _Matmul(torch, args.matmuls, args.warmup_matmuls)
+    matmul = _Matmul(torch, args.matmuls, args.warmup_matmuls, priority=args.matmul_priority)
     matmul.alone()  # warm-up (cuBLAS heuristics, clocks)
     device = torch.cuda.get_device_name()
     print(f"device: {device}")

@@ -149,7 +149,7 @@ def main() -> int:
     total = int(args.gib * (1 << 30))
     page = args.page_kib * KIB
     bidir = _bidirectional_ceiling(torch, total, 0.8)
-    matmul = _Matmul(torch, args.matmuls, args.warmup_matmuls)
+    matmul = _Matmul(torch, args.matmuls, args.warmup_matmuls, priority=args.matmul_priority)
     matmul.alone()  # warm-up (cuBLAS heuristics, clocks)
     moved, num_blocks, kv = bench_kv_caches(torch, args.layers, page, total)
     variants = args.variants.split(",")
@@ -174,7 +174,8 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}; bidirectional ceiling {bidir:.1f} GB/s")
     print(
         f"{args.rounds} rounds, arms in shuffled order each round; executors at {args.page_kib} "
-        f"KiB pages, {args.layers} layers, {args.gib} GiB jobs"
+        f"KiB pages, {args.layers} layers, {args.gib} GiB jobs; matmul stream priority "
+        f"{args.matmul_priority}"
     )
     lines, summary = report_rounds(rounds, variants)
     for line in lines + summary:
