@@ -6,7 +6,8 @@ one it says so and exits 0.
 The staged path gathers randomly placed pages into a contiguous GPU staging buffer with a CUDA
 kernel, then makes one DMA to pinned host memory (the reverse for loads). Beside a bf16 8192^3
 matmul loop that kernel costs the matmul +4-12 % and the transfers fall to 0.72-0.86 of the link,
-while contiguous pinned copies alone (copy engines only) cost +2.3-2.9 % (docs/benchmarks.md).
+while contiguous pinned copies alone (copy engines only) cost +2.3-2.9 %
+(docs/benchmark-history.md).
 DESIGN.md 5.1 measured one `cudaMemcpyBatchAsync` call of host-to-device 16 KiB pages at 11.7 GB/s
 of a 55 GB/s link; unknown is whether device-to-device (D2D) batched copies are faster per piece,
 so that copy engines could do the gather and scatter themselves. Measured here, in one run:

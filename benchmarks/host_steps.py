@@ -10,10 +10,10 @@ the common job, this one among them, in C, with the driver calls, so it is not t
 and, for scale, one numpy call and one compiled call on the same 2048 integers. Each step runs
 `--repeat` times in a hot loop, as many times right after reading `--sweep-mib` MiB of host
 memory, which pushes the step's code and data out of the CPU caches, as a `wait()` on a long
-transfer does in part (docs/benchmarks.md, seventh session), and as many times right after the
-thread spun in Python, or slept, for each of `--pause-ms` (no memory touched: what does time
-spent elsewhere alone do?). A ctypes call into libc is timed the same ways. Medians, in
-microseconds.
+transfer does in part (docs/benchmark-history.md, seventh session), and as many times right
+after the thread spun in Python, or slept, for each of `--pause-ms` (no memory touched: what
+does time spent elsewhere alone do?). A ctypes call into libc is timed the same ways. Medians,
+in microseconds.
 
     python3 benchmarks/host_steps.py
     python3 benchmarks/host_steps.py --pause-ms 0.2,1,2,4,8,20

@@ -42,7 +42,7 @@ from kvferry.executors.tensors import KVTensor
 DEFAULT_STAGING_BYTES = 256 << 20
 """GPU staging per direction (two halves) unless told otherwise. Each batch costs a few host
 calls; on the device H200, 256 MiB gave 0.90-0.96 of the link where 128 MiB gave 0.90-0.95 and
-half the submit time went to per-batch calls (docs/benchmarks.md)."""
+half the submit time went to per-batch calls (docs/benchmark-history.md)."""
 
 TABLE_SLOTS = 4
 """Pinned table buffers per direction, taken by jobs in turn (see `_free_slot`)."""
@@ -65,7 +65,7 @@ DEFAULT_COPY_BLOCKS = 512
 reach HBM speed already; beside a model whose kernels hold every SM's registers, a staging
 kernel runs only in the gaps between them, and more blocks move more bytes per gap: on the
 device H200, 512 blocks slowed a matmul by +3.7..4.8 % where 128 slowed it by +5.8..6.5 %, about
-what the least any staged path does costs there (docs/benchmarks.md, seventh session)."""
+what the least any staged path does costs there (docs/benchmark-history.md, seventh session)."""
 
 StageCopy = Callable[[int, int, int, int, int], None]
 """One job's staging-kernel launch as a callable: `(stream, segments, count, stage, blocks)` runs
@@ -403,7 +403,7 @@ class StagedGpuExecutor(Executor):
         and queued by one compiled call, `_native.stage_job`; any other takes
         `_queue_planned`, the same steps in Python, which are that call's specification. Right
         after a `wait()` the Python between those steps cost most of a 2048-block load's
-        submit, cold (docs/benchmarks.md, eighth session).
+        submit, cold (docs/benchmark-history.md, eighth session).
         """
         direction = bound.plan.direction
         k, slot = self._free_slot(direction)
