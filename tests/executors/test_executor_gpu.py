@@ -107,6 +107,37 @@ def test_a_load_lands_after_zeroing_queued_before_it(name: str) -> None:
             assert got.any()
 
 
+POOL_STREAMS = 32
+"""The streams torch's pool holds per priority; `torch.cuda.Stream()` hands them out round robin,
+so this many asks in a row return every one of them."""
+LONG_SLEEP_CYCLES = 2_000_000_000  # ~1 s: far longer than the jobs below take
+
+
+@pytest.mark.parametrize("name", GPU_EXECUTORS)
+def test_jobs_end_while_every_stream_torch_hands_out_is_busy(name: str) -> None:
+    # An engine's own streams come from torch's pool; an executor that took its lanes from
+    # there would run its copies in turn with the model's work on whichever stream it shares.
+    torch = _torch()
+    model = _model(name)
+    with model.executor as executor:
+        model.fill_random(np.random.default_rng(5))
+        model.run(bound_plan(1, Direction.STORE, 3, _moves()))  # kernels compiled, tables made
+        busy = [torch.cuda.Stream(priority=p) for p in (0, -1) for _ in range(POOL_STREAMS)]
+        slept = []
+        for stream in busy:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(LONG_SLEEP_CYCLES)
+                slept.append(torch.cuda.Event())
+                slept[-1].record(stream)
+        executor.submit(bound_plan(2, Direction.STORE, 3, _moves()))
+        executor.submit(bound_plan(3, Direction.LOAD, 3, _load_moves()))
+        results = executor.wait([2, 3])
+        still_busy = not any(event.query() for event in slept)
+        torch.cuda.synchronize()
+        assert all(result.success for result in results), [r.error for r in results]
+        assert still_busy, "a job waited for work queued on streams from torch's pool"
+
+
 def _destination_after(name: str, **options: object) -> tuple[np.ndarray, list[list[np.ndarray]]]:
     model = _model(name, **options)
     with model.executor as executor:
