@@ -55,7 +55,7 @@ from interference import (
     add_job_and_matmul_options,
 )
 from interference_rounds import add_round_options, report_rounds, run_rounds
-from transfer import KIB, bench_kv_caches, cuda_torch, write_json
+from transfer import KIB, bench_kv_caches, cuda_torch, own_stream, write_json
 
 from kvferry.core.plan import Direction
 
@@ -180,7 +180,7 @@ class BulkJobs(_PinnedCopyJobs):
         layers = len(kv)
         self._nbytes = moved * layers * page
         self._n_pages = moved * layers
-        self._streams = {d: torch.cuda.Stream() for d in Direction}
+        self._streams = {d: own_stream(torch) for d in Direction}
         self._launch_streams = {d: as_cupy_stream(cupy, s) for d, s in self._streams.items()}
         self._pending: list[tuple[Direction, Any, Any]] = []
         kernel.max_dynamic_shared_size_bytes = max(

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+from transfer import own_stream
 
 from kvferry.executors.driver import CudaDriver, check_status
 
@@ -346,7 +347,7 @@ class _Gate:
 
     def __init__(self, torch: Any, driver: _Driver) -> None:
         self._torch, self._driver = torch, driver
-        self._stream = torch.cuda.Stream()
+        self._stream = own_stream(torch)
         self._event = driver.event(timing=False)
         raw = int(self._stream.cuda_stream)
         start, end = driver.event(timing=True), driver.event(timing=True)
@@ -960,7 +961,7 @@ class _Matmul:
 
     def __init__(self, torch: Any, count: int) -> None:
         self._torch, self._count = torch, count
-        self._stream = torch.cuda.Stream()
+        self._stream = own_stream(torch)
         with torch.cuda.stream(self._stream):
             self._a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
             self._b = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
@@ -1222,8 +1223,8 @@ def _setup(torch: Any, args: argparse.Namespace, started: float) -> tuple[_Env, 
     except Exception as error:
         info["gate"] = f"unavailable ({type(error).__name__}: {error}); GPU times are ungated"
     total = int(args.gib * GIB)
-    streams = {n: torch.cuda.Stream() for n in ("d2h", "h2d", "ps0", "ps1", "pl0", "pl1")}
-    streams.update({f"g{i}": torch.cuda.Stream() for i in range(4)})
+    streams = {n: own_stream(torch) for n in ("d2h", "h2d", "ps0", "ps1", "pl0", "pl1")}
+    streams.update({f"g{i}": own_stream(torch) for i in range(4)})
     device_out = torch.empty(total, dtype=torch.uint8, device="cuda")
     device_out.random_(0, 255)
     host_load = torch.empty(total, dtype=torch.uint8, pin_memory=True)

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from host_steps import spin
-from transfer import cuda_torch
+from transfer import cuda_torch, own_stream
 
 KIB = 1024
 _EMPTY_KERNEL = r"""
@@ -74,7 +74,7 @@ def _calls(
     nbytes = calls * 4 * KIB
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    stream = ctypes.c_void_p(torch.cuda.Stream().cuda_stream)
+    stream = ctypes.c_void_p(own_stream(torch).cuda_stream)
     for name in ("cuMemcpyAsync", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2"):
         function = getattr(lib, name)
         function.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
@@ -317,7 +317,7 @@ def _whole_jobs(
     makes them (28 calls on a compute stream and two lanes) and through the graph (the job's
     event calls, nine DMA updates, ten kernel updates, the launch). With `marks`, each call
     appends its name and the clock when it returned."""
-    compute, lane0, lane1 = (ctypes.c_void_p(torch.cuda.Stream().cuda_stream) for _ in range(3))
+    compute, lane0, lane1 = (ctypes.c_void_p(own_stream(torch).cuda_stream) for _ in range(3))
     events = {}
     for name, flags in (("ready", 2), ("uploaded", 2), ("joined", 2), ("previous", 2)):
         events[name] = ctypes.c_void_p()

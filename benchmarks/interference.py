@@ -46,6 +46,7 @@ from transfer import (
     bench_kv_caches,
     catalog_rows,
     cuda_torch,
+    own_stream,
     write_json,
 )
 
@@ -139,7 +140,7 @@ class _PinnedCopyJobs(_Jobs):
         self._torch = torch
         self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self._device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        self._streams = {d: torch.cuda.Stream() for d in Direction}
+        self._streams = {d: own_stream(torch) for d in Direction}
         self._pending: list[tuple[Direction, Any, Any]] = []
         self._nbytes = nbytes
 
@@ -184,7 +185,7 @@ class _Matmul:
         self._torch = torch
         self._count = count
         self._warmup = warmup
-        self._stream = torch.cuda.Stream(priority=priority)
+        self._stream = own_stream(torch, priority=priority)
         with torch.cuda.stream(self._stream):
             self._a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
             self._b = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
@@ -555,7 +556,7 @@ def _make_jobs(
         kv_caches=kv,
         blocks_per_chunk=1,
         num_rows=2 * moved,
-        compute_stream=torch.cuda.Stream(),  # idle: the jobs must not wait for the matmuls
+        compute_stream=own_stream(torch),  # idle: the jobs must not wait for the matmuls
         **options,
     )
     return _ExecutorJobs(executor, num_blocks, moved, seed=page_kib)

@@ -38,6 +38,7 @@ from kvferry.core.keys import OffloadKey
 from kvferry.core.layout import TensorLayout
 from kvferry.core.plan import Direction, TransferPlan
 from kvferry.executors import CopyPath, KVTensor, make_executor
+from kvferry.executors.driver import CudaDriver
 
 # `kvferry.adapters.workers` is imported by the `--gpus` path only.
 
@@ -114,6 +115,18 @@ def cuda_torch(script: str) -> Any:
         print(f"{script} needs CUDA: no CUDA GPU is visible; nothing measured")
         return None
     return torch
+
+
+def own_stream(torch: Any, *, priority: int = 0) -> Any:
+    """Return a torch stream that no one else holds, made through the CUDA driver (alive until
+    the process ends).
+
+    `torch.cuda.Stream()` hands out streams round robin from a pool of 32 per priority, so a
+    benchmark that asks for more gets one stream twice: an executor's idle compute stream, or a
+    pinned copy's, could then be the matmul loop's.
+    """
+    torch.cuda.synchronize()  # makes torch's CUDA context current: the driver call uses it
+    return torch.cuda.ExternalStream(CudaDriver().stream(priority=priority))
 
 
 def _ceiling(torch: Any, nbytes: int, repeat: int) -> dict[str, float]:

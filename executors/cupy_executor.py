@@ -1,4 +1,4 @@
-"""The `cupy` executor: the same contract with cupy.cuda streams, events and one copy kernel.
+"""The `cupy` executor: the same contract on CuPy memory and kernels, and a zero-copy path.
 
 Imports CuPy only when built (the `cupy12`/`cupy13` extras); wraps torch-owned (or any) GPU memory
 by raw address through `__cuda_array_interface__`, never copying or owning it.
@@ -151,12 +151,6 @@ class CupyExecutor(StagedGpuExecutor):
 
     # --- StagedGpuExecutor's primitives, in CuPy -----------------------------------------------
 
-    def _new_stream(self, *, priority: int = 0) -> Any:
-        return self._cupy.cuda.Stream(non_blocking=True, priority=priority)
-
-    def _stream_handle(self, stream: Any) -> int:
-        return int(stream.ptr)
-
     def _compute_stream_now(self) -> int:
         return int((self._compute_stream or self._cupy.cuda.get_current_stream()).ptr)
 
@@ -177,9 +171,6 @@ class CupyExecutor(StagedGpuExecutor):
         self._kernels.append(kernel)
         return function
 
-    def _synchronize(self, stream: Any) -> None:
-        stream.synchronize()
-
     # --- the job ---------------------------------------------------------------------------------
 
     def _enqueue(self, bound: BoundPlan) -> GpuJob:
@@ -191,7 +182,7 @@ class CupyExecutor(StagedGpuExecutor):
     def _enqueue_zero_copy(self, bound: BoundPlan) -> GpuJob:
         """Queue one kernel that copies every page straight between the KV tensors and the tier."""
         direction = bound.plan.direction
-        link = self._lanes[direction][0]
+        link = self._cupy.cuda.ExternalStream(self._lane_handles[direction][0])
         job = self._begin(direction, CopyPath.ZERO_COPY)
         pages = expand_pages(bound, self.layout)
         copies = copy_list(pages, self.host_tier.address, piece_bytes=self.host_tier.piece_bytes)

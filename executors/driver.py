@@ -7,7 +7,10 @@ here; the host's own calls on events (create, query, synchronize, time, destroy)
 ctypes. Through torch these calls cost 5-90 µs each on the device H200's host (torch's NVRTC
 launcher builds its ctypes arguments on every call, ~90 µs; torch has no call at all for an
 asynchronous copy between raw addresses); straight to `libcuda` they cost a few µs. Both GPU
-executors use these; the libraries still own the streams, the memory and the compiled kernels.
+executors use these, and make their lanes here too (`stream`): `torch.cuda.Stream()` hands out
+streams round robin from a pool of 32 per priority that the whole process shares, so a lane
+from there could be a stream the engine computes on. The libraries still own the memory and the
+compiled kernels.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from kvferry.core.errors import ExecutorUnavailableError
 
 
 class CudaDriver:
-    """Events from `libcuda.so.1` (loaded once per process), and the addresses of the calls that
-    compiled code makes; handles are plain integers, and calls act on the current context."""
+    """Events and streams from `libcuda.so.1` (loaded once per process), and the addresses of the
+    calls that compiled code makes; handles are plain integers, and calls act on the current
+    context."""
 
     _library: ctypes.CDLL | None = None
 
@@ -42,6 +46,13 @@ class CudaDriver:
                     ctypes.c_void_p,
                 ],
                 "cuEventDestroy_v2": [ctypes.c_void_p],
+                "cuStreamCreateWithPriority": [
+                    ctypes.POINTER(ctypes.c_void_p),
+                    ctypes.c_uint,
+                    ctypes.c_int,
+                ],
+                "cuStreamSynchronize": [ctypes.c_void_p],
+                "cuStreamDestroy_v2": [ctypes.c_void_p],
                 "cuCtxGetCurrent": [ctypes.POINTER(ctypes.c_void_p)],
             }
             for name, argtypes in signatures.items():
@@ -100,9 +111,33 @@ class CudaDriver:
         """Release `event` (work already queued on it still completes)."""
         check_status(self._lib.cuEventDestroy_v2(event), "cuEventDestroy")
 
+    def stream(self, *, priority: int) -> int:
+        """Return a new non-blocking stream on the current context, of its own (no other caller
+        holds it); `priority` as CUDA counts it (lower is more urgent, clamped to the device's
+        range)."""
+        handle = ctypes.c_void_p()
+        check_status(
+            self._lib.cuStreamCreateWithPriority(
+                ctypes.byref(handle), _STREAM_NON_BLOCKING, priority
+            ),
+            "cuStreamCreateWithPriority",
+        )
+        return int(handle.value or 0)
+
+    def synchronize_stream(self, stream: int) -> None:
+        """Block until every call queued on `stream` has completed."""
+        check_status(self._lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def destroy_stream(self, stream: int) -> None:
+        """Release a stream made by `stream` (work already queued on it still completes)."""
+        check_status(self._lib.cuStreamDestroy_v2(stream), "cuStreamDestroy")
+
 
 _EVENT_DISABLE_TIMING = 2
 """CU_EVENT_DISABLE_TIMING."""
+
+_STREAM_NON_BLOCKING = 1
+"""CU_STREAM_NON_BLOCKING: no implicit ordering with the legacy default stream."""
 
 _NOT_READY = 600
 """CUDA_ERROR_NOT_READY: what cuEventQuery answers for work still running."""

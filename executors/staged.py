@@ -214,15 +214,6 @@ class StagedGpuExecutor(Executor):
         """Return a context that makes the KV tensors' device (and its context) current."""
 
     @abc.abstractmethod
-    def _new_stream(self, *, priority: int = 0) -> Any:
-        """Return a new non-blocking stream on the executor's device (the library's object);
-        `priority` as CUDA counts it (lower is more urgent, 0 the default)."""
-
-    @abc.abstractmethod
-    def _stream_handle(self, stream: Any) -> int:
-        """Return the raw `CUstream` of a library stream."""
-
-    @abc.abstractmethod
     def _compute_stream_now(self) -> int:
         """Return the raw stream a job must wait on: the configured compute one or the current."""
 
@@ -243,10 +234,6 @@ class StagedGpuExecutor(Executor):
         """Return the `CUfunction` of kernel `name` in CUDA C `source` (compiled here: the
         executor asks once per kernel)."""
 
-    @abc.abstractmethod
-    def _synchronize(self, stream: Any) -> None:
-        """Block until a library stream is idle."""
-
     # --- the job's calls, through the CUDA driver -----------------------------------------------
 
     def _cuda(self) -> CudaDriver:
@@ -259,6 +246,26 @@ class StagedGpuExecutor(Executor):
         current: the address of `cuCtxSetCurrent` and the context (read on the device)."""
         cuda = self._cuda()
         return cuda.set_context_address, cuda.current_context()
+
+    def _new_stream(self, *, priority: int = 0) -> Any:
+        """Return a new non-blocking stream of the executor's own on its device (current in
+        `_on_device`); `priority` as CUDA counts it (lower is more urgent, 0 the default).
+
+        Made through the driver, not the library: torch hands out its streams from a pool
+        shared with the engine (`CudaDriver.stream`)."""
+        return self._cuda().stream(priority=priority)
+
+    def _stream_handle(self, stream: Any) -> int:
+        """Return the raw `CUstream` of a stream made by `_new_stream`."""
+        return int(stream)
+
+    def _synchronize(self, stream: Any) -> None:
+        """Block until a stream made by `_new_stream` is idle."""
+        self._cuda().synchronize_stream(stream)
+
+    def _destroy_stream(self, stream: Any) -> None:
+        """Release a stream made by `_new_stream`."""
+        self._cuda().destroy_stream(stream)
 
     def _new_event(self, *, timing: bool = False) -> Any:
         """Return a new event (with timing when asked)."""
@@ -670,6 +677,7 @@ class StagedGpuExecutor(Executor):
         for pair in self._lanes.values():
             for stream in pair:
                 self._synchronize(stream)
+                self._destroy_stream(stream)
         for event in (
             *self._ready.values(),
             *self._joined.values(),

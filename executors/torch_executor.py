@@ -1,4 +1,4 @@
-"""The `torch` executor: CUDA streams and events through torch; staged copies at link speed.
+"""The `torch` executor: the staged path on torch memory and kernels; copies at link speed.
 
 Imports torch only when built (the `torch` extra). It never decides what to move, never syncs
 the engine's compute stream from the host, and never allocates more staging than it was given
@@ -59,8 +59,9 @@ class TorchRegistrar:
 
 
 class TorchExecutor(StagedGpuExecutor):
-    """The staged path (`executors.staged`) on torch streams and memory; its kernels are
-    compiled with NVRTC through `torch.cuda._compile_kernel` on first use."""
+    """The staged path (`executors.staged`) on torch memory; its kernels are compiled with
+    NVRTC through `torch.cuda._compile_kernel` on first use. Its lanes are streams of its own,
+    made through the driver, never taken from torch's shared pool (`CudaDriver.stream`)."""
 
     name = "torch"
 
@@ -112,12 +113,6 @@ class TorchExecutor(StagedGpuExecutor):
             return contextlib.nullcontext()  # the usual case; switching costs ~10 us a submit
         return self._torch.cuda.device(self._device)
 
-    def _new_stream(self, *, priority: int = 0) -> Any:
-        return self._torch.cuda.Stream(device=self._device, priority=priority)
-
-    def _stream_handle(self, stream: Any) -> int:
-        return int(stream.cuda_stream)
-
     def _compute_stream_now(self) -> int:
         if self._compute_stream is not None:
             return int(self._compute_stream.cuda_stream)
@@ -140,6 +135,3 @@ class TorchExecutor(StagedGpuExecutor):
 
     def _kernel_function(self, source: str, name: str) -> Any:
         return self._torch.cuda._compile_kernel(source, name).func
-
-    def _synchronize(self, stream: Any) -> None:
-        stream.synchronize()

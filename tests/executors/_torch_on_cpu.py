@@ -57,7 +57,6 @@ def _no_stream(stream: Any) -> Iterator[None]:
 
 class _CudaStandIn:
     Event = _Event
-    Stream = _Stream
     stream = staticmethod(_no_stream)
 
     @staticmethod
@@ -121,10 +120,20 @@ class TorchOnCpuExecutor(TorchExecutor):
     def _thread_context(self) -> tuple[int, int]:
         return 0, 0  # no CUDA context for a submission thread to make current
 
-    # no CUDA driver here: events are placeholders and every copy happens at once, in order
+    # no CUDA driver here: streams and events are placeholders and every copy happens at once,
+    # in order
+
+    def _new_stream(self, *, priority: int = 0) -> Any:
+        return _Stream()
 
     def _stream_handle(self, stream: Any) -> int:
         return 0
+
+    def _synchronize(self, stream: Any) -> None:
+        return None
+
+    def _destroy_stream(self, stream: Any) -> None:
+        return None
 
     def _compute_stream_now(self) -> int:
         return 0
