@@ -182,7 +182,7 @@ class CupyExecutor(StagedGpuExecutor):
     def _enqueue_zero_copy(self, bound: BoundPlan) -> GpuJob:
         """Queue one kernel that copies every page straight between the KV tensors and the tier."""
         direction = bound.plan.direction
-        link = self._cupy.cuda.ExternalStream(self._lane_handles[direction][0])
+        link = as_cupy_stream(self._cupy, self._lane_handles[direction][0])
         job = self._begin(direction, CopyPath.ZERO_COPY)
         pages = expand_pages(bound, self.layout)
         copies = copy_list(pages, self.host_tier.address, piece_bytes=self.host_tier.piece_bytes)
@@ -212,8 +212,9 @@ class CupyExecutor(StagedGpuExecutor):
 def as_cupy_stream(cupy: Any, stream: Any) -> Any:
     """Return `stream` as a CuPy stream: None, a CuPy stream, a raw handle or a torch stream.
 
-    Objects that speak the CUDA stream protocol (`__cuda_stream__`) go through
-    `Stream.from_external` where CuPy has it; others are wrapped by their raw handle.
+    Where CuPy has `Stream.from_external` (CuPy 14 deprecates `ExternalStream`), everything goes
+    through it: objects that speak the CUDA stream protocol (`__cuda_stream__`) as they are,
+    others by their raw handle; older CuPy wraps the raw handle in an `ExternalStream`.
     """
     cuda = cupy.cuda
     if stream is None or isinstance(stream, cuda.Stream | cuda.ExternalStream):
@@ -221,5 +222,17 @@ def as_cupy_stream(cupy: Any, stream: Any) -> Any:
     from_external = getattr(cuda.Stream, "from_external", None)
     if from_external is not None and hasattr(stream, "__cuda_stream__"):
         return from_external(stream)
-    handle = getattr(stream, "cuda_stream", stream)
-    return cuda.ExternalStream(int(handle))
+    handle = int(getattr(stream, "cuda_stream", stream))
+    if from_external is not None:
+        return from_external(_RawStream(handle))
+    return cuda.ExternalStream(handle)
+
+
+class _RawStream:
+    """A raw `CUstream` that speaks the CUDA stream protocol (for `Stream.from_external`)."""
+
+    def __init__(self, handle: int) -> None:
+        self._handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._handle)  # (the protocol's version, the handle)
