@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 import attrs
 
@@ -21,16 +21,14 @@ from kvferry.adapters.demo_profiles import PROFILES, ModelProfile, ProfileName, 
 from kvferry.adapters.demo_ranks import DemoRanks, DemoShard, LocalRanks, ProcessRanks
 from kvferry.adapters.demo_report import DemoReport
 from kvferry.adapters.demo_workload import ChatWorkload, WorkloadShape
+from kvferry.adapters.offloading import ExecutorFactory, build_offloading
 from kvferry.adapters.session import OffloadSession
 from kvferry.adapters.workers import WorkerPool
-from kvferry.core.catalog import Catalog, CatalogConfig
+from kvferry.core.catalog import Catalog
+from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError
-from kvferry.executors.base import Executor
 from kvferry.executors.registry import executor_class, make_executor
 from kvferry.executors.tensors import build_layout
-
-ExecutorFactory = Callable[..., Executor]
-"""Makes the executor: `make_executor` by default; tests pass a wrapper to inject faults."""
 
 
 @attrs.frozen(kw_only=True)
@@ -77,57 +75,54 @@ class ProgressLine:
 def _local_ranks(
     options: DemoOptions,
     profile: ModelProfile,
+    offload: OffloadConfig,
     *,
-    f: int,
-    on_gpu: bool,
     executor_factory: ExecutorFactory,
     torch_device: str | None,
-) -> tuple[LocalRanks, CatalogConfig]:
-    """Build the one in-process rank: the whole model's tensors and their executor."""
+) -> tuple[LocalRanks, OffloadSession]:
+    """Build the one in-process rank: the whole model's tensors and, from them, the executor,
+    the catalog and the session (`build_offloading`)."""
     config = options.config
-    if torch_device is None and on_gpu:
+    if torch_device is None and executor_class(config.executor).on_gpu:
         torch_device = "cuda"
     cache = DemoKVCache(profile, torch_device=torch_device)
     pattern = PagePattern(options.seed, cache.max_width())
-    row_bytes = build_layout(cache.kv_tensors, f, on_gpu=on_gpu)[0].row_bytes
-    catalog_config = config.catalog_config(row_bytes, default_tier_bytes=profile.cpu_tier_bytes)
-    extra: dict[str, Any] = config.executor_options() if on_gpu else {}
-    executor = executor_factory(
-        config.executor,
-        kv_caches=cache.kv_tensors,
-        blocks_per_chunk=f,
-        num_rows=catalog_config.capacity_rows,
-        **extra,
+    offloading = build_offloading(
+        offload,
+        tensors=cache.kv_tensors,
+        settings=_with_tier(config, profile),
+        executor_factory=executor_factory,
     )
-    ranks = LocalRanks(executor, cache, pattern, block_size=profile.block_size)
-    if executor.layout.row_bytes != row_bytes:
-        ranks.close()
-        raise InvalidInputError(
-            field="row_bytes", expected=str(row_bytes), got=executor.layout.row_bytes
-        )
-    return ranks, catalog_config
+    ranks = LocalRanks(offloading.executor, cache, pattern, block_size=profile.block_size)
+    return ranks, offloading.session
+
+
+def _with_tier(config: KvferryConfig, profile: ModelProfile) -> KvferryConfig:
+    """Return `config` with the profile's CPU-tier budget when it sets none."""
+    if config.cpu_tier_bytes is not None:
+        return config
+    return attrs.evolve(config, cpu_tier_bytes=profile.cpu_tier_bytes)
 
 
 def _process_ranks(
-    options: DemoOptions, profile: ModelProfile, f: int, on_gpu: bool, tp: int
-) -> tuple[ProcessRanks, CatalogConfig, str]:
-    """Start `tp` worker processes, one shard each; return them, the catalog configuration
-    (the CPU-tier budget covers every rank: a row is one chunk of the whole model) and the
-    layout fingerprint they share."""
+    options: DemoOptions, profile: ModelProfile, offload: OffloadConfig, tp: int
+) -> tuple[ProcessRanks, OffloadSession]:
+    """Start `tp` worker processes, one shard each; return them and the session, whose CPU-tier
+    budget covers every rank (a row is one chunk of the whole model)."""
     config = options.config
+    f = offload.blocks_per_chunk
+    on_gpu = executor_class(config.executor).on_gpu
     shard = profile.sharded(tp)
     # host arrays of the shard, never touched (zeros are mapped lazily): its layout only
     layout = build_layout(DemoKVCache(shard).kv_tensors, f, on_gpu=False)[0]
-    catalog_config = config.catalog_config(
-        tp * layout.row_bytes, default_tier_bytes=profile.cpu_tier_bytes
-    )
+    catalog = Catalog(_with_tier(config, profile).catalog_config(tp * layout.row_bytes))
     factory = DemoShard(
         profile=profile,
         executor=config.executor,
         executor_options=config.executor_options() if on_gpu else {},
         on_gpu=on_gpu,
         blocks_per_chunk=f,
-        num_rows=catalog_config.capacity_rows,
+        num_rows=catalog.capacity_rows,
         seed=options.seed,
     )
     pool = WorkerPool(factory, tp)
@@ -136,7 +131,8 @@ def _process_ranks(
         raise InvalidInputError(
             field="layout_fingerprint", expected=layout.fingerprint, got=pool.layout_fingerprint
         )
-    return ProcessRanks(pool), catalog_config, layout.fingerprint
+    session = OffloadSession(offload, catalog, world_size=tp, layout_fingerprint=layout.fingerprint)
+    return ProcessRanks(pool), session
 
 
 def describe_ranks(devices: Sequence[str]) -> str:
@@ -175,19 +171,12 @@ def run_demo(
     config = options.config
     f = config.blocks_per_chunk or profile.blocks_per_chunk
     offload = profile.offload_config(f, store_decoded_tokens=config.store_decoded_tokens)
-    on_gpu = executor_class(config.executor).on_gpu
     ranks: DemoRanks
+    session: OffloadSession
     if options.tp is None:
-        ranks, catalog_config = _local_ranks(
-            options,
-            profile,
-            f=f,
-            on_gpu=on_gpu,
-            executor_factory=executor_factory,
-            torch_device=torch_device,
+        ranks, session = _local_ranks(
+            options, profile, offload, executor_factory=executor_factory, torch_device=torch_device
         )
-        fingerprint = ranks.executor.layout.fingerprint
-        devices: tuple[str, ...] = ()
     else:
         if executor_factory is not make_executor or torch_device is not None:
             raise InvalidInputError(
@@ -195,13 +184,11 @@ def run_demo(
                 expected="no executor_factory or torch_device (workers make executors by name)",
                 got=options.tp,
             )
-        ranks, catalog_config, fingerprint = _process_ranks(options, profile, f, on_gpu, options.tp)
-        devices = tuple(info.device for info in ranks.pool.infos)
+        ranks, session = _process_ranks(options, profile, offload, options.tp)
+    devices = (
+        tuple(info.device for info in ranks.pool.infos) if isinstance(ranks, ProcessRanks) else ()
+    )
     try:
-        catalog = Catalog(catalog_config)
-        session = OffloadSession(
-            offload, catalog, world_size=ranks.world_size, layout_fingerprint=fingerprint
-        )
         shape = WorkloadShape(
             system_prompt_tokens=profile.system_prompt_tokens,
             user_tokens=profile.user_tokens,
@@ -233,10 +220,8 @@ def run_demo(
         blocks_per_chunk=f,
         block_size=profile.block_size,
         gpu_blocks=profile.gpu_blocks,
-        cpu_tier_bytes=(
-            config.cpu_tier_bytes if config.cpu_tier_bytes is not None else profile.cpu_tier_bytes
-        ),
-        cpu_tier_rows=catalog_config.capacity_rows,
+        cpu_tier_bytes=_with_tier(config, profile).cpu_tier_bytes or 0,
+        cpu_tier_rows=session.catalog.capacity_rows,
         eviction_policy=config.eviction_policy.value,
         requests=tally.finished,
         steps=tally.steps,
