@@ -7,6 +7,7 @@ Does the file I/O and environment reading the core never does; holds no planning
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,6 +82,14 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_FAILED if any(o.status is BenchStatus.FAILED for o in outcomes) else 0
 
 
+def _version() -> str:
+    """Return the installed distribution's version (`importlib.metadata`)."""
+    try:
+        return importlib.metadata.version("kvferry")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def _nonnegative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -98,6 +107,7 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the `kvferry` command."""
     parser = argparse.ArgumentParser(prog="kvferry", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"kvferry {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="print the plans of a planner scenario (JSON)")
