@@ -1,7 +1,7 @@
 """`kvferry demo`: wires a profile, a chat workload, the session, the catalog and an executor
 into the demo engine, runs it and returns its report.
 
-Assembly and the progress line only: the engine plays the engine, kvferry does the rest; it
+Assembly and the progress bar only: the engine plays the engine, kvferry does the rest; it
 reads no file and no environment (the command line hands it a config value).
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 import attrs
+from tqdm import tqdm
 
 from kvferry.adapters.config import KvferryConfig
 from kvferry.adapters.demo_engine import DemoEngine
@@ -47,29 +48,44 @@ class DemoOptions:
     """Tensor-parallel ranks, one worker process each; None: one rank, in this process."""
 
 
-class ProgressLine:
-    """A one-line progress bar on a text stream (`\\r`, redrawn at most ten times a second)."""
+class ProgressBar:
+    """Requests served so far, drawn by tqdm on a text stream only when it is a terminal (a log
+    gets no progress lines); call it as the engine's `progress`, then `close()` it."""
 
-    def __init__(self, stream: TextIO = sys.stderr, width: int = 30) -> None:
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
         self._stream = stream
-        self._width = width
-        self._last = 0.0
+        self._bar: tqdm[NoReturn] | None = None
 
     def __call__(self, done: int, total: int, steps: int) -> None:
-        """Redraw the line for `done` of `total` requests after `steps` steps."""
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        filled = self._width * done // max(total, 1)
-        bar = "#" * filled + "-" * (self._width - filled)
-        self._stream.write(f"\r[{bar}] {done}/{total} requests, step {steps}")
-        self._stream.flush()
+        """Show `done` of `total` requests served after `steps` steps."""
+        if self._bar is None:
+            self._bar = tqdm(
+                total=total,
+                unit="request",
+                file=self._stream,
+                disable=not self._stream.isatty(),
+                leave=False,
+            )
+        self._bar.set_postfix_str(f"step {steps}", refresh=False)
+        self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
-        """End the line."""
-        self._stream.write("\n")
-        self._stream.flush()
+        """Take the bar off the terminal."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+def tier_shortfall(profile: ModelProfile, offload: OffloadConfig, rows: int) -> str | None:
+    """Return a one-line warning when the CPU tier has fewer rows than the chunks one request
+    completes in one full prefill step (a store reserves all of them or none), else None."""
+    need = sum(-(-profile.step_tokens // tokens) for tokens in offload.all_chunk_tokens)
+    if rows >= need:
+        return None
+    return (
+        f"the CPU tier holds {rows} chunk(s), fewer than the {need} a {profile.step_tokens}-token "
+        "prefill step completes; a store takes all of a step's chunks or none, so such steps "
+        "store nothing (a larger --cpu-tier-bytes stores them)"
+    )
 
 
 def _local_ranks(
@@ -153,6 +169,7 @@ def run_demo(
     *,
     executor_factory: ExecutorFactory = make_executor,
     progress: Callable[[int, int, int], None] | None = None,
+    warn: Callable[[str], None] | None = None,
     torch_device: str | None = None,
 ) -> DemoReport:
     """Serve `options.requests` chat turns with the real planner, session, catalog and executor;
@@ -164,7 +181,8 @@ def run_demo(
     on `cpu` tensors this way). With `options.tp` set, `tp` worker processes hold one shard
     each (`cuda:rank` for a GPU executor, round-robin when there are fewer GPUs); the executor
     is then made by name in each worker, so `executor_factory` and `torch_device` must be left
-    at their defaults."""
+    at their defaults. `warn` is called with a one-line warning before the run when the CPU tier
+    is too small for the chunks one prefill step completes (see `tier_shortfall`)."""
     started = time.perf_counter()
     profile = PROFILES[options.profile]
     check_profile(profile)
@@ -189,6 +207,9 @@ def run_demo(
         tuple(info.device for info in ranks.pool.infos) if isinstance(ranks, ProcessRanks) else ()
     )
     try:
+        shortfall = tier_shortfall(profile, offload, session.catalog.capacity_rows)
+        if warn is not None and shortfall is not None:
+            warn(shortfall)
         shape = WorkloadShape(
             system_prompt_tokens=profile.system_prompt_tokens,
             user_tokens=profile.user_tokens,
