@@ -7,6 +7,7 @@ Does the file I/O and environment reading the core never does; holds no planning
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +19,8 @@ from kvferry.core.errors import KvferryError, TransferFailedError
 from kvferry.core.scenario import run_scenario
 
 EXIT_FAILED = 1
-"""A run failed: a page did not verify, a transfer failed, a benchmark failed."""
+"""A run failed: a page did not verify (or none was loaded to verify), a transfer failed, a
+benchmark failed."""
 EXIT_INPUT = 2
 """The command's input was wrong (arguments, configuration, files)."""
 
@@ -31,7 +33,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from kvferry.adapters.config import KvferryConfig
-    from kvferry.adapters.demo import DemoOptions, ProgressLine, run_demo
+    from kvferry.adapters.demo import DemoOptions, ProgressBar, run_demo
     from kvferry.adapters.demo_profiles import ProfileName
 
     config = KvferryConfig.load(args.config)
@@ -51,14 +53,26 @@ def _demo(args: argparse.Namespace) -> int:
         config=config,
         tp=args.tp,
     )
-    progress = None if args.no_progress else ProgressLine(sys.stderr)
+    progress = None if args.no_progress else ProgressBar(sys.stderr)
     try:
-        report = run_demo(options, progress=progress)
+        report = run_demo(options, progress=progress, warn=_warn)
     finally:
         if progress is not None:
             progress.close()
     sys.stdout.write(report.to_json() if args.json else report.to_table())
+    if report.pages_verified == 0:
+        print(
+            f"kvferry: FAILED: {report.verified} ({report.requests} requests, "
+            f"{report.chunks_stored} chunks stored); try more --requests or a larger "
+            "--cpu-tier-bytes",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     return 0
+
+
+def _warn(text: str) -> None:
+    print(f"kvferry: warning: {text}", file=sys.stderr)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -81,6 +95,14 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_FAILED if any(o.status is BenchStatus.FAILED for o in outcomes) else 0
 
 
+def _version() -> str:
+    """Return the installed distribution's version (`importlib.metadata`)."""
+    try:
+        return importlib.metadata.version("kvferry")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def _nonnegative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -98,6 +120,7 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the `kvferry` command."""
     parser = argparse.ArgumentParser(prog="kvferry", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"kvferry {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="print the plans of a planner scenario (JSON)")
@@ -131,7 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--config", help="a TOML file of settings (docs/configuration.md)")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
-    demo.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    demo.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (one is drawn on stderr only when it is a terminal)",
+    )
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser(
@@ -149,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `kvferry` command; return its exit status (1: a run failed, e.g. a page did not
-    verify or a worker process died; 2: bad input)."""
+    verify, the demo verified no page, or a worker process died; 2: bad input)."""
     from kvferry.adapters.demo_engine import EngineStalledError
     from kvferry.adapters.demo_verify import VerificationFailedError
     from kvferry.adapters.workers import WorkerError

@@ -1,7 +1,7 @@
 """`kvferry demo`: wires a profile, a chat workload, the session, the catalog and an executor
 into the demo engine, runs it and returns its report.
 
-Assembly and the progress line only: the engine plays the engine, kvferry does the rest; it
+Assembly and the progress bar only: the engine plays the engine, kvferry does the rest; it
 reads no file and no environment (the command line hands it a config value).
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import NoReturn, TextIO
 
 import attrs
+from tqdm import tqdm
 
 from kvferry.adapters.config import KvferryConfig
 from kvferry.adapters.demo_engine import DemoEngine
@@ -21,16 +22,14 @@ from kvferry.adapters.demo_profiles import PROFILES, ModelProfile, ProfileName, 
 from kvferry.adapters.demo_ranks import DemoRanks, DemoShard, LocalRanks, ProcessRanks
 from kvferry.adapters.demo_report import DemoReport
 from kvferry.adapters.demo_workload import ChatWorkload, WorkloadShape
+from kvferry.adapters.offloading import ExecutorFactory, build_offloading
 from kvferry.adapters.session import OffloadSession
 from kvferry.adapters.workers import WorkerPool
-from kvferry.core.catalog import Catalog, CatalogConfig
+from kvferry.core.catalog import Catalog
+from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError
-from kvferry.executors.base import Executor
 from kvferry.executors.registry import executor_class, make_executor
 from kvferry.executors.tensors import build_layout
-
-ExecutorFactory = Callable[..., Executor]
-"""Makes the executor: `make_executor` by default; tests pass a wrapper to inject faults."""
 
 
 @attrs.frozen(kw_only=True)
@@ -49,85 +48,97 @@ class DemoOptions:
     """Tensor-parallel ranks, one worker process each; None: one rank, in this process."""
 
 
-class ProgressLine:
-    """A one-line progress bar on a text stream (`\\r`, redrawn at most ten times a second)."""
+class ProgressBar:
+    """Requests served so far, drawn by tqdm on a text stream only when it is a terminal (a log
+    gets no progress lines); call it as the engine's `progress`, then `close()` it."""
 
-    def __init__(self, stream: TextIO = sys.stderr, width: int = 30) -> None:
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
         self._stream = stream
-        self._width = width
-        self._last = 0.0
+        self._bar: tqdm[NoReturn] | None = None
 
     def __call__(self, done: int, total: int, steps: int) -> None:
-        """Redraw the line for `done` of `total` requests after `steps` steps."""
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        filled = self._width * done // max(total, 1)
-        bar = "#" * filled + "-" * (self._width - filled)
-        self._stream.write(f"\r[{bar}] {done}/{total} requests, step {steps}")
-        self._stream.flush()
+        """Show `done` of `total` requests served after `steps` steps."""
+        if self._bar is None:
+            self._bar = tqdm(
+                total=total,
+                unit="request",
+                file=self._stream,
+                disable=not self._stream.isatty(),
+                leave=False,
+            )
+        self._bar.set_postfix_str(f"step {steps}", refresh=False)
+        self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
-        """End the line."""
-        self._stream.write("\n")
-        self._stream.flush()
+        """Take the bar off the terminal."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+def tier_shortfall(profile: ModelProfile, offload: OffloadConfig, rows: int) -> str | None:
+    """Return a one-line warning when the CPU tier has fewer rows than the chunks one request
+    completes in one full prefill step (a store reserves all of them or none), else None."""
+    need = sum(-(-profile.step_tokens // tokens) for tokens in offload.all_chunk_tokens)
+    if rows >= need:
+        return None
+    return (
+        f"the CPU tier holds {rows} chunk(s), fewer than the {need} a {profile.step_tokens}-token "
+        "prefill step completes; a store takes all of a step's chunks or none, so such steps "
+        "store nothing (a larger --cpu-tier-bytes stores them)"
+    )
 
 
 def _local_ranks(
     options: DemoOptions,
     profile: ModelProfile,
+    offload: OffloadConfig,
     *,
-    f: int,
-    on_gpu: bool,
     executor_factory: ExecutorFactory,
     torch_device: str | None,
-) -> tuple[LocalRanks, CatalogConfig]:
-    """Build the one in-process rank: the whole model's tensors and their executor."""
+) -> tuple[LocalRanks, OffloadSession]:
+    """Build the one in-process rank: the whole model's tensors and, from them, the executor,
+    the catalog and the session (`build_offloading`)."""
     config = options.config
-    if torch_device is None and on_gpu:
+    if torch_device is None and executor_class(config.executor).on_gpu:
         torch_device = "cuda"
     cache = DemoKVCache(profile, torch_device=torch_device)
     pattern = PagePattern(options.seed, cache.max_width())
-    row_bytes = build_layout(cache.kv_tensors, f, on_gpu=on_gpu)[0].row_bytes
-    catalog_config = config.catalog_config(row_bytes, default_tier_bytes=profile.cpu_tier_bytes)
-    extra: dict[str, Any] = config.executor_options() if on_gpu else {}
-    executor = executor_factory(
-        config.executor,
-        kv_caches=cache.kv_tensors,
-        blocks_per_chunk=f,
-        num_rows=catalog_config.capacity_rows,
-        **extra,
+    offloading = build_offloading(
+        offload,
+        tensors=cache.kv_tensors,
+        settings=_with_tier(config, profile),
+        executor_factory=executor_factory,
     )
-    ranks = LocalRanks(executor, cache, pattern, block_size=profile.block_size)
-    if executor.layout.row_bytes != row_bytes:
-        ranks.close()
-        raise InvalidInputError(
-            field="row_bytes", expected=str(row_bytes), got=executor.layout.row_bytes
-        )
-    return ranks, catalog_config
+    ranks = LocalRanks(offloading.executor, cache, pattern, block_size=profile.block_size)
+    return ranks, offloading.session
+
+
+def _with_tier(config: KvferryConfig, profile: ModelProfile) -> KvferryConfig:
+    """Return `config` with the profile's CPU-tier budget when it sets none."""
+    if config.cpu_tier_bytes is not None:
+        return config
+    return attrs.evolve(config, cpu_tier_bytes=profile.cpu_tier_bytes)
 
 
 def _process_ranks(
-    options: DemoOptions, profile: ModelProfile, f: int, on_gpu: bool, tp: int
-) -> tuple[ProcessRanks, CatalogConfig, str]:
-    """Start `tp` worker processes, one shard each; return them, the catalog configuration
-    (the CPU-tier budget covers every rank: a row is one chunk of the whole model) and the
-    layout fingerprint they share."""
+    options: DemoOptions, profile: ModelProfile, offload: OffloadConfig, tp: int
+) -> tuple[ProcessRanks, OffloadSession]:
+    """Start `tp` worker processes, one shard each; return them and the session, whose CPU-tier
+    budget covers every rank (a row is one chunk of the whole model)."""
     config = options.config
+    f = offload.blocks_per_chunk
+    on_gpu = executor_class(config.executor).on_gpu
     shard = profile.sharded(tp)
     # host arrays of the shard, never touched (zeros are mapped lazily): its layout only
     layout = build_layout(DemoKVCache(shard).kv_tensors, f, on_gpu=False)[0]
-    catalog_config = config.catalog_config(
-        tp * layout.row_bytes, default_tier_bytes=profile.cpu_tier_bytes
-    )
+    catalog = Catalog(_with_tier(config, profile).catalog_config(tp * layout.row_bytes))
     factory = DemoShard(
         profile=profile,
         executor=config.executor,
         executor_options=config.executor_options() if on_gpu else {},
         on_gpu=on_gpu,
         blocks_per_chunk=f,
-        num_rows=catalog_config.capacity_rows,
+        num_rows=catalog.capacity_rows,
         seed=options.seed,
     )
     pool = WorkerPool(factory, tp)
@@ -136,7 +147,8 @@ def _process_ranks(
         raise InvalidInputError(
             field="layout_fingerprint", expected=layout.fingerprint, got=pool.layout_fingerprint
         )
-    return ProcessRanks(pool), catalog_config, layout.fingerprint
+    session = OffloadSession(offload, catalog, world_size=tp, layout_fingerprint=layout.fingerprint)
+    return ProcessRanks(pool), session
 
 
 def describe_ranks(devices: Sequence[str]) -> str:
@@ -157,6 +169,7 @@ def run_demo(
     *,
     executor_factory: ExecutorFactory = make_executor,
     progress: Callable[[int, int, int], None] | None = None,
+    warn: Callable[[str], None] | None = None,
     torch_device: str | None = None,
 ) -> DemoReport:
     """Serve `options.requests` chat turns with the real planner, session, catalog and executor;
@@ -168,26 +181,20 @@ def run_demo(
     on `cpu` tensors this way). With `options.tp` set, `tp` worker processes hold one shard
     each (`cuda:rank` for a GPU executor, round-robin when there are fewer GPUs); the executor
     is then made by name in each worker, so `executor_factory` and `torch_device` must be left
-    at their defaults."""
+    at their defaults. `warn` is called with a one-line warning before the run when the CPU tier
+    is too small for the chunks one prefill step completes (see `tier_shortfall`)."""
     started = time.perf_counter()
     profile = PROFILES[options.profile]
     check_profile(profile)
     config = options.config
     f = config.blocks_per_chunk or profile.blocks_per_chunk
     offload = profile.offload_config(f, store_decoded_tokens=config.store_decoded_tokens)
-    on_gpu = executor_class(config.executor).on_gpu
     ranks: DemoRanks
+    session: OffloadSession
     if options.tp is None:
-        ranks, catalog_config = _local_ranks(
-            options,
-            profile,
-            f=f,
-            on_gpu=on_gpu,
-            executor_factory=executor_factory,
-            torch_device=torch_device,
+        ranks, session = _local_ranks(
+            options, profile, offload, executor_factory=executor_factory, torch_device=torch_device
         )
-        fingerprint = ranks.executor.layout.fingerprint
-        devices: tuple[str, ...] = ()
     else:
         if executor_factory is not make_executor or torch_device is not None:
             raise InvalidInputError(
@@ -195,13 +202,14 @@ def run_demo(
                 expected="no executor_factory or torch_device (workers make executors by name)",
                 got=options.tp,
             )
-        ranks, catalog_config, fingerprint = _process_ranks(options, profile, f, on_gpu, options.tp)
-        devices = tuple(info.device for info in ranks.pool.infos)
+        ranks, session = _process_ranks(options, profile, offload, options.tp)
+    devices = (
+        tuple(info.device for info in ranks.pool.infos) if isinstance(ranks, ProcessRanks) else ()
+    )
     try:
-        catalog = Catalog(catalog_config)
-        session = OffloadSession(
-            offload, catalog, world_size=ranks.world_size, layout_fingerprint=fingerprint
-        )
+        shortfall = tier_shortfall(profile, offload, session.catalog.capacity_rows)
+        if warn is not None and shortfall is not None:
+            warn(shortfall)
         shape = WorkloadShape(
             system_prompt_tokens=profile.system_prompt_tokens,
             user_tokens=profile.user_tokens,
@@ -233,10 +241,8 @@ def run_demo(
         blocks_per_chunk=f,
         block_size=profile.block_size,
         gpu_blocks=profile.gpu_blocks,
-        cpu_tier_bytes=(
-            config.cpu_tier_bytes if config.cpu_tier_bytes is not None else profile.cpu_tier_bytes
-        ),
-        cpu_tier_rows=catalog_config.capacity_rows,
+        cpu_tier_bytes=_with_tier(config, profile).cpu_tier_bytes or 0,
+        cpu_tier_rows=session.catalog.capacity_rows,
         eviction_policy=config.eviction_policy.value,
         requests=tally.finished,
         steps=tally.steps,

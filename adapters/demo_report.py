@@ -108,17 +108,24 @@ class DemoReport:
         """Return the bytes the window-only loads saved against loading every block."""
         return self.windowed_bytes_all_blocks - self.windowed_bytes_loaded
 
+    @property
+    def verified(self) -> str:
+        """Return the closing line: "all N pages verified", or that nothing was verified."""
+        if self.pages_verified == 0:
+            return "no page verified: nothing was loaded from the CPU tier"
+        return f"all {self.pages_verified} pages verified"
+
     def to_json(self) -> str:
         """Return the report as JSON (sorted keys), with the derived rates."""
         data: dict[str, Any] = attrs.asdict(self)
         data["store_gbps"] = self.store_gbps
         data["load_gbps"] = self.load_gbps
         data["windowed_bytes_saved"] = self.windowed_bytes_saved
-        data["verified"] = f"all {self.pages_verified} pages verified"
+        data["verified"] = self.verified
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def to_table(self) -> str:
-        """Return the report as a plain-text table ending with "all N pages verified"."""
+        """Return the report as a plain-text table ending with its `verified` line."""
         prompt = max(self.prompt_tokens, 1)
 
         def share(tokens: int) -> str:
@@ -167,7 +174,7 @@ class DemoReport:
             f"  CPU tier: {_size(self.cpu_tier_bytes)} = {self.cpu_tier_rows} rows, "
             f"eviction {self.eviction_policy}",
         ]
-        verified = f"all {self.pages_verified} pages verified"
+        verified = self.verified
         if self.ranks_note:
             head.append(f"  tensor parallel {self.tp}: {self.ranks_note}")
             per_rank = ", ".join(

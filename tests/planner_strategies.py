@@ -125,7 +125,8 @@ class StoreCase:
 
     @property
     def done(self) -> int:
-        """Return the tokens whose KV exists after this step, capped as DESIGN §4.3 says."""
+        """Return the tokens whose KV exists after this step, capped at the request's
+        tokens (at its prompt when decoded tokens are not stored)."""
         limit = self.num_tokens
         if not self.config.store_decoded_tokens:
             limit = min(limit, self.state.num_prompt_tokens)
@@ -282,8 +283,8 @@ def null_blocks(
 ) -> int:
     """Return how many leading blocks of `group` an engine makes null at `computed` tokens.
 
-    Sliding window: the blocks wholly below the window, `[computed - w, computed)` by the
-    design (`window_slack` 0) or `[computed - w + 1, computed)` as vLLM counts it (slack 1).
+    Sliding window: the blocks wholly below the window, `[computed - w, computed)`
+    (`window_slack` 0) or `[computed - w + 1, computed)` as vLLM counts it (slack 1).
     Mamba: every block below the one holding the state after token `computed - 1`.
     Full attention: none.
     """

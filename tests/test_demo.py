@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 from kvferry.adapters import cli
 from kvferry.adapters import demo as demo_module
 from kvferry.adapters.config import KvferryConfig
-from kvferry.adapters.demo import DemoOptions, run_demo
+from kvferry.adapters.demo import DemoOptions, ProgressBar, run_demo, tier_shortfall
 from kvferry.adapters.demo_profiles import PROFILES, ProfileName, check_profile
 from kvferry.adapters.demo_report import DemoReport
 from kvferry.adapters.demo_verify import VerificationFailedError
@@ -156,33 +157,94 @@ def test_the_command_exits_1_when_a_page_does_not_verify(
 
 
 def test_the_command_prints_the_table_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--requests", "8", "--no-progress"]) == 0
-    out = capsys.readouterr().out
+    assert cli.main(["demo", "--requests", "16", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
     assert out.rstrip().splitlines()[-1].startswith("all ")
     assert out.rstrip().endswith("pages verified")
+    assert err == ""
 
 
 def test_the_command_prints_json_with_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--requests", "8", "--no-progress", "--json"]) == 0
+    assert cli.main(["demo", "--requests", "16", "--no-progress", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["requests"] == 8
+    assert data["requests"] == 16
     assert data["verified"] == f"all {data['pages_verified']} pages verified"
 
 
-def test_the_command_draws_a_progress_line_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--requests", "4"]) == 0
-    assert "\r[" in capsys.readouterr().err
+def test_a_run_that_verifies_no_page_exits_1_with_one_line_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["demo", "--requests", "2", "--no-progress"]) == cli.EXIT_FAILED
+    out, err = capsys.readouterr()
+    assert out.rstrip().endswith("no page verified: nothing was loaded from the CPU tier")
+    (line,) = err.splitlines()
+    assert line.startswith("kvferry: FAILED: no page verified")
+
+
+def test_a_tier_smaller_than_one_prefill_steps_chunks_warns_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cli.main(["demo", "--requests", "2", "--no-progress", "--cpu-tier-bytes", "8MiB"])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [
+        "kvferry: warning: the CPU tier holds 8 chunk(s), fewer than the 32 a 2048-token prefill "
+        "step completes; a store takes all of a step's chunks or none, so such steps store "
+        "nothing (a larger --cpu-tier-bytes stores them)"
+    ]
+
+
+def test_every_profile_s_default_tier_holds_a_prefill_steps_chunks() -> None:
+    for profile in PROFILES.values():
+        report = run_demo(DemoOptions(profile=profile.name, requests=1))
+        offload = profile.offload_config(report.blocks_per_chunk, store_decoded_tokens=True)
+        assert tier_shortfall(profile, offload, report.cpu_tier_rows) is None, profile.name
+
+
+def test_the_shortfall_is_the_chunks_of_one_full_prefill_step() -> None:
+    profile = PROFILES[ProfileName.LLAMA]  # 2048-token steps, 16-token blocks
+    offload = profile.offload_config(4, store_decoded_tokens=True)  # 64-token chunks
+    assert tier_shortfall(profile, offload, 32) is None
+    assert "fewer than the 32" in str(tier_shortfall(profile, offload, 31))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_draws_on_a_terminal() -> None:
+    stream = _Terminal()
+    bar = ProgressBar(stream)
+    bar(2, 4, 7)
+    bar.close()
+    assert "/4 [" in stream.getvalue()  # tqdm's "n/total [elapsed<remaining, rate]"
+    assert "request" in stream.getvalue()
+
+
+def test_the_progress_bar_writes_nothing_to_a_log() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(stream)
+    bar(2, 4, 7)
+    bar.close()
+    assert stream.getvalue() == ""
+
+
+def test_the_command_draws_no_progress_when_stderr_is_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["demo", "--requests", "16"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_the_command_takes_settings_from_a_config_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "kvferry.toml"
-    path.write_text('eviction_policy = "arc"\ncpu_tier_bytes = "32MiB"\n', encoding="utf-8")
-    assert cli.main(["demo", "--requests", "4", "--no-progress", "--config", str(path)]) == 0
+    path.write_text('eviction_policy = "arc"\ncpu_tier_bytes = "64MiB"\n', encoding="utf-8")
+    assert cli.main(["demo", "--requests", "16", "--no-progress", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "eviction arc" in out
-    assert "33.6 MB = 32 rows" in out
+    assert "67.1 MB = 64 rows" in out
 
 
 def test_an_unknown_profile_exits_2_and_suggests_a_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,11 +1,10 @@
-"""The docs pages outside the README that show runnable content: the engine loop of
-docs/embedding.md runs as written, and the worked examples of docs/semantics.md quote their
-golden files exactly."""
+"""The worked examples of docs/semantics.md quote their golden files exactly.
+
+(The engine loop of docs/embedding.md runs in tests/test_docs_code_blocks.py.)
+"""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 from pathlib import Path
@@ -13,16 +12,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 GOLDEN = ROOT / "tests" / "golden"
-
-
-def test_embedding_engine_loop_prints_its_commented_result() -> None:
-    page = DOCS / "embedding.md"
-    (example,) = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
-    promised = example.strip().splitlines()[-1].split("#", 1)[1].strip()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(example, str(page), "exec"), {"__name__": "docs_embedding"})
-    assert out.getvalue().strip() == promised
 
 
 def _worked_examples() -> list[tuple[str, str, str, str]]:

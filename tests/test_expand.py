@@ -42,7 +42,8 @@ def _one_ref_layout(f: int, stride: int = 10, size: int = 10, blocks: int = 200)
     return KVLayout(blocks_per_chunk=f, groups=[GroupLayout(refs=[ref])])
 
 
-def test_the_design_example_pairs_slots_and_blocks_after_the_skip() -> None:
+def test_a_load_inside_a_chunk_pairs_slots_and_blocks_after_the_skip() -> None:
+    # gpu_prefix_hit_inside_chunk of docs/semantics.md: F=3, blocks 102-108 from rows 10-12
     bound = _bound(Direction.LOAD, 3, [(list(range(102, 109)), 2, [10, 11, 12])])
     pages = expand_pages(bound, _one_ref_layout(3))
     slots = [f"{o // 30}.{o // 10 % 3}" for o in pages.cpu_offset.tolist()]

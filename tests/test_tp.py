@@ -65,7 +65,7 @@ def test_two_ranks_together_move_the_bytes_of_one(
 
 
 def test_the_table_says_that_the_ranks_share_the_host(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--requests", "2", "--no-progress", "--tp", "2"]) == 0
+    assert cli.main(["demo", "--requests", "16", "--no-progress", "--tp", "2"]) == 0
     out = capsys.readouterr().out
     assert "tensor parallel 2: 2 worker processes (rank 0: cpu, rank 1: cpu)" in out
     assert "2 ranks share the host" in out

@@ -4,12 +4,8 @@ each rank over its own shard; byte-exact round trips, world-size counting, failu
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -265,16 +261,3 @@ def test_a_closed_pool_refuses_commands() -> None:
     workers.close()
     with pytest.raises(InvalidInputError, match="closed"):
         workers.poll()
-
-
-def test_the_docs_example_runs_as_a_script_and_prints_its_comment(tmp_path: Path) -> None:
-    page = Path(__file__).resolve().parent.parent / "docs" / "tensor-parallel.md"
-    (example,) = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
-    script = tmp_path / "tp_example.py"
-    script.write_text(example, encoding="utf-8")
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    promised = example.strip().splitlines()[-1].lstrip("# ").strip()
-    assert done.stdout.strip() == promised
