@@ -38,6 +38,38 @@ def add_common_options(parser: argparse.ArgumentParser, *, quick: str) -> None:
     parser.add_argument("--quick", action="store_true", help=quick)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def names(text: str) -> list[str]:
+    """An argparse type: comma-separated names."""
+    return [name for name in text.split(",") if name]
+
+
+def kib_list(text: str) -> list[int]:
+    """An argparse type: comma-separated page sizes in KiB, each >= 1."""
+    return [positive_int(part) for part in text.split(",")]
+
+
 def output_paths(out: Path, name: str) -> tuple[Path, Path]:
     """Create `out` if needed; return the paths of benchmark `name`'s JSON and PNG in it."""
     out.mkdir(parents=True, exist_ok=True)

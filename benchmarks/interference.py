@@ -47,10 +47,14 @@ from kvferry.benchmarks.common import (
     bar_result,
     cuda_torch,
     finish_axis,
+    kib_list,
     measured_on,
     measured_on_line,
+    names,
     output_paths,
     own_stream,
+    positive_float,
+    positive_int,
     pyplot,
     save_plot,
     write_json,
@@ -703,21 +707,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--variants",
-        default=DEFAULT_VARIANTS,
+        type=names,
+        default=names(DEFAULT_VARIANTS),
         help=f"comma-separated, of {PINNED}, {SM_PASS}, "
         + ", ".join(v for v in VARIANTS if v != "cpu")
         + f", {ZERO_COPY_PREFIX}G (G thread blocks) (default {DEFAULT_VARIANTS})",
     )
-    parser.add_argument("--pages-kib", default=None, help="default 16,64,256 (--quick: 16)")
-    parser.add_argument("--rounds", type=int, default=None, help="default 8 (--quick: 2)")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--gib", type=float, default=None, help="bytes per job (default 0.5)")
     parser.add_argument(
-        "--matmuls", type=int, default=None, help="matmuls per timed loop (default 300)"
+        "--pages-kib", type=kib_list, default=None, help="default 16,64,256 (--quick: 16)"
+    )
+    parser.add_argument("--rounds", type=positive_int, default=None, help="default 8 (--quick: 2)")
+    parser.add_argument("--layers", type=positive_int, default=32)
+    parser.add_argument(
+        "--gib", type=positive_float, default=None, help="bytes per job (default 0.5)"
+    )
+    parser.add_argument(
+        "--matmuls", type=positive_int, default=None, help="matmuls per timed loop (default 300)"
     )
     parser.add_argument(
         "--warmup-matmuls",
-        type=int,
+        type=positive_int,
         default=None,
         help="untimed matmuls before each timed loop (default 300), so every loop starts at "
         "the clock the board's power cap settles to",
@@ -729,10 +738,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the matmul stream's CUDA priority (default 0, the least urgent, as the "
         "executors' streams; -1 or less: more urgent than the staging kernels)",
     )
-    parser.add_argument("--window", type=float, default=0.4, help="seconds of transfers alone")
+    parser.add_argument(
+        "--window", type=positive_float, default=0.4, help="seconds of transfers alone"
+    )
     parser.add_argument(
         "--settle",
-        type=float,
+        type=positive_float,
         default=0.3,
         help="seconds of unmeasured transfers before each measurement",
     )
@@ -755,12 +766,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     PNG under `--out`. Return 0, or `EXIT_SKIPPED` when there is no CUDA GPU."""
     parser = _parser()
     args = parser.parse_args(argv)
-    args.variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in args.variants if not _known(v)]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}")
-    pages = args.pages_kib or ("16" if args.quick else "16,64,256")
-    args.pages_kib = [int(p) for p in pages.split(",")]
+    args.pages_kib = args.pages_kib or ([16] if args.quick else [16, 64, 256])
     args.rounds = args.rounds or (2 if args.quick else 8)
     args.gib = args.gib or (0.25 if args.quick else 0.5)
     args.matmuls = args.matmuls or (100 if args.quick else 300)

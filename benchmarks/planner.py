@@ -35,6 +35,7 @@ from kvferry.benchmarks.common import (
     measured_on,
     measured_on_line,
     output_paths,
+    positive_int,
     pyplot,
     save_plot,
     write_json,
@@ -328,8 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=f"kvferry bench {NAME}", description=(__doc__ or "").split("\n\n")[0]
     )
-    parser.add_argument("--repeat", type=int, default=None, help="timings per median (200)")
-    parser.add_argument("--steps", type=int, default=None, help="decode steps timed (64)")
+    parser.add_argument(
+        "--repeat", type=positive_int, default=None, help="timings per median (default 200)"
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="decode steps timed (default 64)"
+    )
     add_common_options(parser, quick="a short run: 20 timings per median, 16 decode steps")
     args = parser.parse_args(argv)
     repeat = args.repeat or (20 if args.quick else 200)

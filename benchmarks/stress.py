@@ -36,6 +36,7 @@ from kvferry.benchmarks.common import (
     measured_on,
     measured_on_line,
     output_paths,
+    positive_int,
     pyplot,
     save_plot,
     write_json,
@@ -273,10 +274,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=f"kvferry bench {NAME}", description=(__doc__ or "").split("\n\n")[0]
     )
-    parser.add_argument("--requests", type=int, default=None, help="default 10000")
-    parser.add_argument("--live", type=int, default=48, help="requests in flight at once")
-    parser.add_argument("--step-tokens", type=int, default=32, help="prefill tokens per step")
-    parser.add_argument("--rows", type=int, default=4096, help="CPU-tier rows (one chunk each)")
+    parser.add_argument("--requests", type=positive_int, default=None, help="default 10000")
+    parser.add_argument("--live", type=positive_int, default=48, help="requests in flight at once")
+    parser.add_argument(
+        "--step-tokens", type=positive_int, default=32, help="prefill tokens per step"
+    )
+    parser.add_argument(
+        "--rows", type=positive_int, default=4096, help="CPU-tier rows (one chunk each)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_common_options(parser, quick="a short run: 500 requests (too few jobs to judge memory)")
     args = parser.parse_args(argv)

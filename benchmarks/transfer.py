@@ -42,9 +42,13 @@ from kvferry.benchmarks.common import (
     bar_result,
     cuda_torch,
     finish_axis,
+    kib_list,
     measured_on,
     measured_on_line,
+    names,
     output_paths,
+    positive_float,
+    positive_int,
     pyplot,
     save_plot,
     write_json,
@@ -625,20 +629,6 @@ def plot(results: Path, png: Path, *, log: TextIO | None = None) -> Path | None:
     )
 
 
-def _names(text: str) -> list[str]:
-    return [name for name in text.split(",") if name]
-
-
-def _kib_list(text: str) -> list[int]:
-    try:
-        values = [int(p) for p in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected page sizes in KiB, e.g. 4,16,256") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("expected page sizes >= 1 KiB")
-    return values
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"kvferry bench {NAME}",
@@ -647,17 +637,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--variants",
-        type=_names,
+        type=names,
         default=None,
         help="comma-separated, of " + ", ".join(VARIANTS) + " (default torch,cupy)",
     )
+    parser.add_argument("--pages-kib", type=kib_list, default=None, help=f"default {DEFAULT_PAGES}")
+    parser.add_argument("--layers", type=positive_int, default=32)
     parser.add_argument(
-        "--pages-kib", type=_kib_list, default=None, help=f"default {DEFAULT_PAGES}"
+        "--gib", type=positive_float, default=None, help="bytes per job (default 1)"
     )
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--gib", type=float, default=None, help="bytes per job (default 1)")
-    parser.add_argument("--repeat", type=int, default=None, help="jobs per median (default 3)")
-    parser.add_argument("--staging-mib", type=int, default=None, help="default: the executor's")
+    parser.add_argument(
+        "--repeat", type=positive_int, default=None, help="jobs per median (default 3)"
+    )
+    parser.add_argument(
+        "--staging-mib", type=positive_int, default=None, help="default: the executor's"
+    )
     parser.add_argument(
         "--rows",
         choices=("catalog", "random"),
@@ -667,7 +661,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--gpus",
-        type=int,
+        type=positive_int,
         default=None,
         help="run on N GPUs at once (one process each) and print the aggregate GB/s",
     )
@@ -683,7 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     args.variants = args.variants or ["torch", "cupy"]
-    args.pages_kib = args.pages_kib or _kib_list(QUICK_PAGES if args.quick else DEFAULT_PAGES)
+    args.pages_kib = args.pages_kib or kib_list(QUICK_PAGES if args.quick else DEFAULT_PAGES)
     args.gib = args.gib or (0.25 if args.quick else 1.0)
     args.repeat = args.repeat or (1 if args.quick else 3)
     unknown = [v for v in args.variants if v not in VARIANTS]
@@ -692,8 +686,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     on_host = args.variants == ["cpu"]
     if "cpu" in args.variants and (args.gpus is None or not on_host):
         parser.error("--variants cpu: alone, and only with --gpus (a dry run of the processes)")
-    if args.gpus is not None and args.gpus < 1:
-        parser.error("--gpus: expected an integer >= 1")
     torch = None if on_host else cuda_torch(NAME)
     if torch is None and not on_host:
         return EXIT_SKIPPED
