@@ -123,15 +123,17 @@ def _cpu() -> str:
 
 
 def _kvferry_version() -> str:
-    """Return kvferry's installed version, with the commit when it runs from a git checkout."""
+    """Return kvferry's installed version, with the commit when it runs from a git checkout of
+    kvferry (an installed copy has none)."""
     try:
         version = importlib.metadata.version("kvferry")
     except importlib.metadata.PackageNotFoundError:
         version = "not installed"
-    commit = _run(
-        ["git", "describe", "--always", "--dirty", "--abbrev=7"],
-        cwd=Path(__file__).resolve().parent,
-    )
+    root = Path(__file__).resolve().parents[1]
+    pyproject = root / "pyproject.toml"
+    commit = ""
+    if pyproject.is_file() and 'name = "kvferry"' in pyproject.read_text(encoding="utf-8"):
+        commit = _run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=root)
     return f"{version} ({commit})" if commit else version
 
 
