@@ -298,6 +298,7 @@ def plot(results: Path, png: Path, *, log: TextIO | None = None) -> Path | None:
         ("lookup", "lookup_ms", "lookup"),
         ("lookup", "lookup_and_load_ms", "lookup + load plan"),
         ("store", "step_ms_mean", "store planning per step (mean)"),
+        ("store", "step_ms_median", "store planning per step (median)"),
     )
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for section, field, label in curves:
