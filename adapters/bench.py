@@ -1,285 +1,179 @@
-"""`kvferry bench`: runs the repository's benchmark scripts and plots what they measured.
+"""`kvferry bench`: the benchmarks a user runs to judge kvferry on their machine, chosen by name.
 
-Starts the scripts as subprocesses and draws a PNG when matplotlib is importable; it never
-measures anything itself and never installs anything.
+A table of names to modules of `kvferry.benchmarks`, each imported only when it runs (so the
+command works from an installed package, and importing this module imports no GPU framework).
+Each benchmark prints its table and bars and writes its JSON and PNG; this module only picks
+them, runs them in turn and sums up what ran.
 """
 
 from __future__ import annotations
 
 import enum
-import importlib.util
-import json
-import subprocess
+import importlib
 import sys
+import textwrap
+import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import attrs
 
+from kvferry.benchmarks.common import EXIT_SKIPPED
+from kvferry.core.errors import InvalidInputError, did_you_mean
 
-class Benchmark(enum.Enum):
-    """The benchmark scripts `kvferry bench` knows; the value is the script's name."""
+EXIT_FAILED = 1
+"""A benchmark stopped on an error (the `kvferry` command's status for a failed run)."""
 
-    TRANSFER = "transfer"
-    """`benchmarks/transfer.py`: GB/s per executor, direction and page size (needs a GPU)."""
-    PLANNER = "planner"
-    """`benchmarks/planner.py`: planning time (skipped while the script is absent)."""
+
+@attrs.frozen(kw_only=True)
+class BenchmarkEntry:
+    """Where a benchmark lives and what it needs."""
+
+    module: str
+    """The module whose `main(argv) -> int` runs it."""
+    summary: str
+    """What it measures, in one line."""
+    needs_gpu: bool
+    """Whether it measures nothing without a CUDA GPU."""
+
+
+BENCHMARKS: dict[str, BenchmarkEntry] = {
+    "transfer": BenchmarkEntry(
+        module="kvferry.benchmarks.transfer",
+        summary="GB/s per executor, direction and page size against a contiguous pinned copy; "
+        "time inside submit()",
+        needs_gpu=True,
+    ),
+    "interference": BenchmarkEntry(
+        module="kvferry.benchmarks.interference",
+        summary="what transfers both ways cost a bf16 matmul loop beside them, and the rate they "
+        "keep",
+        needs_gpu=True,
+    ),
+    "planner": BenchmarkEntry(
+        module="kvferry.benchmarks.planner",
+        summary="planning time on the CPU: a 131072-token lookup + load plan, store planning "
+        "for 256 decode requests",
+        needs_gpu=False,
+    ),
+    "stress": BenchmarkEntry(
+        module="kvferry.benchmarks.stress",
+        summary="10000 requests through the session and the cpu executor: jobs/s, nothing "
+        "lost, memory flat",
+        needs_gpu=False,
+    ),
+}
+"""The benchmarks `kvferry bench` runs, in the order it runs them all."""
+
+Main = Callable[[Sequence[str]], int]
+"""A benchmark's `main(argv) -> int`."""
 
 
 class BenchStatus(enum.Enum):
     """How one benchmark went."""
 
     RAN = "ran"
-    """It ran and exited 0."""
-    FAILED = "failed"
-    """It ran and exited non-zero."""
+    """It measured and wrote its results (whatever its bars said)."""
     SKIPPED = "skipped"
-    """It was not run (script absent, or its hardware missing)."""
+    """It measured nothing: the hardware it needs is missing."""
+    FAILED = "failed"
+    """It stopped on an error."""
 
 
 @attrs.frozen(kw_only=True)
 class BenchOutcome:
     """What happened to one benchmark."""
 
-    benchmark: Benchmark
+    name: str
     """Which benchmark."""
     status: BenchStatus
-    """Ran, failed or skipped."""
-    reason: str = ""
-    """Why it was skipped or failed."""
-    json_path: Path | None = None
-    """Its JSON results, when it wrote some."""
-    plot_path: Path | None = None
-    """The PNG drawn from them, when matplotlib was importable."""
+    """Ran, skipped or failed."""
 
 
-Runner = Callable[[Sequence[str]], int]
-"""Runs a command line; returns its exit status (tests replace it)."""
-
-
-def _run(command: Sequence[str]) -> int:
-    return subprocess.run(list(command), check=False).returncode
-
-
-def cuda_available() -> bool:
-    """Return True when torch is installed and sees a CUDA device (imports torch if present)."""
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _help_mentions(script: Path, flag: str) -> bool:
-    """Return True when the script's `--help` mentions `flag`."""
-    done = subprocess.run(
-        [sys.executable, str(script), "--help"], capture_output=True, text=True, check=False
-    )
-    return flag in done.stdout
+def benchmark_main(name: str) -> Main:
+    """Return the `main` of benchmark `name`, importing its module now; raise InvalidInputError
+    (with a "did you mean") for a name that is not a benchmark."""
+    entry = BENCHMARKS.get(name)
+    if entry is None:
+        raise InvalidInputError(
+            field="benchmark",
+            expected="one of " + ", ".join(BENCHMARKS) + did_you_mean(name, BENCHMARKS),
+            got=name,
+        )
+    main: Main = importlib.import_module(entry.module).main
+    return main
 
 
 def run_benchmarks(
+    names: Sequence[str],
+    argv: Sequence[str] = (),
     *,
-    benchmarks: Path,
-    out: Path,
-    which: Sequence[Benchmark] = tuple(Benchmark),
-    extra: Sequence[str] = (),
-    runner: Runner = _run,
-    has_gpu: Callable[[], bool] = cuda_available,
-    log: TextIO = sys.stderr,
+    log: TextIO | None = None,
+    mains: Callable[[str], Main] = benchmark_main,
 ) -> list[BenchOutcome]:
-    """Run the benchmarks in `which` from the folder `benchmarks`, writing JSON (and a PNG
-    per benchmark, when matplotlib is importable) under `out`; return one outcome each.
+    """Run the benchmarks `names` in turn, each with the arguments `argv`; return how each went.
 
-    `transfer` needs a CUDA GPU and is skipped without one; `planner` is skipped when its
-    script is absent. `extra` arguments go to every script.
+    A benchmark that returns `EXIT_SKIPPED` skipped itself (it says why); one that raises
+    or returns another non-zero status failed (said on `log`, standard error by default), and
+    the next one still runs.
     """
-    out.mkdir(parents=True, exist_ok=True)
+    log = log or sys.stderr
     outcomes = []
-    for benchmark in which:
-        name = benchmark.value
-        script = benchmarks / f"{name}.py"
-        if not script.is_file():
-            outcomes.append(
-                BenchOutcome(
-                    benchmark=benchmark, status=BenchStatus.SKIPPED, reason=f"{script} not found"
-                )
-            )
-            continue
-        if name == "transfer" and not has_gpu():
-            outcomes.append(
-                BenchOutcome(
-                    benchmark=benchmark,
-                    status=BenchStatus.SKIPPED,
-                    reason="needs torch and a CUDA GPU",
-                )
-            )
-            continue
-        json_path = out / f"{name}.json"
-        command = [sys.executable, str(script), *extra]
-        if benchmark is Benchmark.TRANSFER or _help_mentions(script, "--json"):
-            command += ["--json", str(json_path)]
-        print(f"kvferry bench: {' '.join(command)}", file=log)
-        status = runner(command)
-        if status != 0:
-            outcomes.append(
-                BenchOutcome(
-                    benchmark=benchmark, status=BenchStatus.FAILED, reason=f"exit status {status}"
-                )
-            )
-            continue
-        written = json_path if json_path.is_file() else None
-        plot = None
-        if written is not None:
-            draw = plot_transfer if benchmark is Benchmark.TRANSFER else plot_planner
-            plot = draw(written, out / f"{name}.png", log=log)
-        outcomes.append(
-            BenchOutcome(
-                benchmark=benchmark, status=BenchStatus.RAN, json_path=written, plot_path=plot
-            )
-        )
+    for name in names:
+        main = mains(name)
+        if len(names) > 1:
+            print(f"== kvferry bench {name}", flush=True)
+        try:
+            status = main(list(argv))
+        except Exception:  # one benchmark's error must not lose the others' results
+            traceback.print_exc(file=log)
+            status = EXIT_FAILED
+        if status == 0:
+            outcome = BenchStatus.RAN
+        elif status == EXIT_SKIPPED:
+            outcome = BenchStatus.SKIPPED
+        else:
+            outcome = BenchStatus.FAILED
+            print(f"kvferry bench {name}: FAILED (exit status {status})", file=log)
+        outcomes.append(BenchOutcome(name=name, status=outcome))
     return outcomes
 
 
-def _save(
-    plt: Any, figure: Any, axis: Any, png: Path, *, xlabel: str, ylabel: str, title: str
-) -> Path:
-    """Finish a plot of either benchmark (log2 x axis, labels, legend), write it; return `png`."""
-    axis.set_xscale("log", base=2)
-    axis.set_ylim(bottom=0)  # ratios read true only from zero
-    axis.set_xlabel(xlabel)
-    axis.set_ylabel(ylabel)
-    axis.set_title(f"kvferry {title}")
-    if axis.get_legend_handles_labels()[0]:
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(png, dpi=120)
-    plt.close(figure)
-    return png
+def exit_status(outcomes: Sequence[BenchOutcome]) -> int:
+    """Return the command's exit status: `EXIT_FAILED` when a benchmark failed, else 0 when one
+    ran, else `EXIT_SKIPPED` (everything asked for was skipped: nothing was measured)."""
+    if any(o.status is BenchStatus.FAILED for o in outcomes):
+        return EXIT_FAILED
+    if any(o.status is BenchStatus.RAN for o in outcomes):
+        return 0
+    return EXIT_SKIPPED
 
 
-def plot_transfer(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path | None:
-    """Draw GB/s against page size per executor and direction, with the pinned-copy ceilings,
-    from `benchmarks/transfer.py`'s JSON; return the PNG's path, or None (and say so on `log`)
-    when matplotlib is not installed."""
-    plt = _pyplot(log)
-    if plt is None:
-        return None
-    data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
-    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    for row in data.get("results", []):
-        key = (str(row["executor"]), str(row["direction"]))
-        series.setdefault(key, []).append((int(row["page_bytes"]), float(row["gbps"])))
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for (executor, direction), points in sorted(series.items()):
-        points.sort()
-        axis.plot(
-            [p / 1024 for p, _ in points],
-            [g for _, g in points],
-            marker="o",
-            linestyle="-" if direction == "store" else "--",
-            label=f"{executor} {direction}",
+def summary_line(outcomes: Sequence[BenchOutcome]) -> str:
+    """Return one line saying which benchmarks ran, were skipped and failed."""
+    if all(o.status is BenchStatus.SKIPPED for o in outcomes):
+        names = [o.name for o in outcomes]
+        return (
+            f"kvferry bench: nothing was measured: {', '.join(names)} "
+            f"{'needs' if len(names) == 1 else 'need'} a CUDA GPU"
         )
-    for direction, gbps in data.get("ceiling_gbps", {}).items():
-        axis.axhline(float(gbps), color="grey", linewidth=0.8, linestyle=":")
-        axis.annotate(f"ceiling {direction} {float(gbps):.1f}", (1, float(gbps)), fontsize=7)
-    return _save(
-        plt,
-        figure,
-        axis,
-        png,
-        xlabel="page (KiB)",
-        ylabel="GB/s",
-        title=f"transfer, {data.get('device', 'GPU')}"
-        + (f"\n{data['jobs']}" if data.get("jobs") else ""),
-    )
+    parts = []
+    for status in BenchStatus:
+        names = [o.name for o in outcomes if o.status is status]
+        if names:
+            parts.append(f"{status.value} {', '.join(names)}")
+    return "kvferry bench: " + "; ".join(parts)
 
 
-def plot_planner(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path | None:
-    """Draw planning milliseconds against `F` (lookup, lookup + load plan, store step) from
-    `benchmarks/planner.py`'s JSON; return the PNG's path, or None (said on `log`) without
-    matplotlib."""
-    plt = _pyplot(log)
-    if plt is None:
-        return None
-    data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
-    curves = (
-        ("lookup", "lookup_ms", "lookup"),
-        ("lookup", "lookup_and_load_ms", "lookup + load plan"),
-        ("store", "step_ms_mean", "store planning per step (mean)"),
-    )
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for section, field, label in curves:
-        rows = [r for r in data.get(section, []) if field in r and "blocks_per_chunk" in r]
-        if rows:
-            rows.sort(key=lambda r: int(r["blocks_per_chunk"]))
-            axis.plot(
-                [int(r["blocks_per_chunk"]) for r in rows],
-                [float(r[field]) for r in rows],
-                marker="o",
-                label=label,
-            )
-    return _save(
-        plt,
-        figure,
-        axis,
-        png,
-        xlabel="blocks per chunk (F)",
-        ylabel="ms",
-        title=f"planner, {data.get('machine', '')}",
-    )
-
-
-def plot_interference(results: Path, png: Path, *, log: TextIO = sys.stderr) -> Path | None:
-    """Draw, per variant, the combined (store + load) GB/s during the matmul loop against page
-    size, each point labelled with the matmul's slowdown, with the bidirectional ceiling and
-    target 2's 0.90 of it, from `benchmarks/interference.py`'s JSON; return the PNG's path, or
-    None (said on `log`) without matplotlib."""
-    plt = _pyplot(log)
-    if plt is None:
-        return None
-    data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
-    series: dict[str, list[tuple[int, float, float]]] = {}
-    for row in data.get("results", []):
-        together = row.get("together", {})
-        gbps = sum(float(together.get(d, {}).get("gbps", float("nan"))) for d in ("store", "load"))
-        series.setdefault(str(row["variant"]), []).append(
-            (int(row["page_kib"]), gbps, 100 * float(row["slowdown"]))
+def listing(width: int = 79) -> str:
+    """Return the benchmarks' names, what each measures and what it needs, one paragraph each,
+    wrapped at `width`."""
+    return "\n".join(
+        textwrap.fill(
+            f"{entry.summary} ({'needs a CUDA GPU' if entry.needs_gpu else 'CPU only'})",
+            width=width,
+            initial_indent=f"  {name:<13} ",
+            subsequent_indent=" " * 16,
         )
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for variant, points in sorted(series.items()):
-        points.sort()
-        axis.plot([p for p, _, _ in points], [g for _, g, _ in points], marker="o", label=variant)
-        for page, gbps, slowdown in points:
-            axis.annotate(f"{slowdown:+.1f}%", (page, gbps), fontsize=6)
-    bidirectional = data.get("ceiling_gbps", {}).get("bidirectional")
-    if bidirectional is not None:
-        for share, style in ((1.0, ":"), (0.9, "--")):
-            level = share * float(bidirectional)
-            axis.axhline(level, color="grey", linewidth=0.8, linestyle=style)
-            axis.annotate(f"{share:.2f} x both-ways ceiling", (16, level), fontsize=7)
-    return _save(
-        plt,
-        figure,
-        axis,
-        png,
-        xlabel="page (KiB)",
-        ylabel="store + load GB/s beside the matmul (labels: matmul slowdown)",
-        title=f"interference, {data.get('device', 'GPU')}",
+        for name, entry in BENCHMARKS.items()
     )
-
-
-def _pyplot(log: TextIO) -> Any:
-    """Return matplotlib.pyplot on the Agg backend, or None (said on `log`) when matplotlib is
-    not installed."""
-    if importlib.util.find_spec("matplotlib") is None:
-        print(
-            "kvferry bench: matplotlib is not installed, no plot drawn "
-            "(pip install matplotlib, or the 'kvferry[bench]' extra)",
-            file=log,
-        )
-        return None
-    matplotlib: Any = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")
-    return importlib.import_module("matplotlib.pyplot")

@@ -76,23 +76,19 @@ def _warn(text: str) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvferry.adapters.bench import Benchmark, BenchStatus, run_benchmarks
-
-    outcomes = run_benchmarks(
-        benchmarks=Path(args.benchmarks),
-        out=Path(args.out),
-        which=[Benchmark(name) for name in args.only] if args.only else tuple(Benchmark),
-        extra=args.args,
+    from kvferry.adapters.bench import (
+        BENCHMARKS,
+        BenchStatus,
+        exit_status,
+        run_benchmarks,
+        summary_line,
     )
-    for outcome in outcomes:
-        line = f"{outcome.benchmark.value}: {outcome.status.value}"
-        if outcome.reason:
-            line += f" ({outcome.reason})"
-        for path in (outcome.json_path, outcome.plot_path):
-            if path is not None:
-                line += f"; wrote {path}"
-        print(line)
-    return EXIT_FAILED if any(o.status is BenchStatus.FAILED for o in outcomes) else 0
+
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    outcomes = run_benchmarks(names, args.args)
+    if len(names) > 1 or all(o.status is BenchStatus.SKIPPED for o in outcomes):
+        print(summary_line(outcomes))
+    return exit_status(outcomes)
 
 
 def _version() -> str:
@@ -161,22 +157,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo)
 
+    from kvferry.adapters.bench import listing
+
     bench = commands.add_parser(
-        "bench", help="run benchmarks/transfer.py (GPU) and benchmarks/planner.py; plot them"
+        "bench",
+        help="run a benchmark (transfer, interference, planner, stress); write its JSON and PNG",
+        description="Run a benchmark, or all of them in turn. Each prints a table and one\n"
+        "PASS/FAIL line per bar, and writes NAME.json and NAME.png under --out (default\n"
+        "bench-out). A benchmark that needs a CUDA GPU says so in one line and is skipped\n"
+        "where there is none.",
+        epilog="benchmarks:\n"
+        + listing()
+        + "\n\nexit status: 0 when a benchmark ran (whatever its bars said), 1 when one\n"
+        "failed, 2 for bad input, 3 when everything asked for was skipped (nothing was\n"
+        "measured).\n\n"
+        "examples:\n"
+        "  kvferry bench planner --quick\n"
+        "  kvferry bench transfer --variants torch --out results\n"
+        "  kvferry bench all --quick",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--benchmarks", default="benchmarks", help="the scripts' folder")
-    bench.add_argument("--out", default="bench-out", help="where JSON and PNG files go")
     bench.add_argument(
-        "--only", action="append", choices=("transfer", "planner"), help="run only this one"
+        "name",
+        nargs="?",
+        default="all",
+        help="a benchmark, or all (the default: each in turn, with the same options)",
     )
-    bench.add_argument("args", nargs="*", help="arguments for the scripts (after --)")
+    bench.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="the benchmark's options (kvferry bench NAME --help lists them)",
+    )
     bench.set_defaults(run=_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `kvferry` command; return its exit status (1: a run failed, e.g. a page did not
-    verify, the demo verified no page, or a worker process died; 2: bad input)."""
+    verify, the demo verified no page, a worker process died or a benchmark stopped on an error; 2: bad input; 3: every
+    benchmark asked for was skipped, as it needs a CUDA GPU)."""
     from kvferry.adapters.demo_engine import EngineStalledError
     from kvferry.adapters.demo_verify import VerificationFailedError
     from kvferry.adapters.workers import WorkerError

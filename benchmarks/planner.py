@@ -1,16 +1,16 @@
-"""Planner speed on the CPU: lookup + load plan of one long request, store planning per step.
+"""Planner: planning time on the CPU, a long request's lookup and load plan, and store planning
+for a batch of decode requests at every step.
 
-A benchmark, not a test: it prints a table and one PASS/FAIL line per target of the speed
-issue, and writes its raw numbers as JSON (and a PNG when matplotlib is installed).
+Needs no GPU. Three KV-cache groups (full attention, block 16; a sliding window of 128 tokens,
+block 16; Mamba, block 16), at 1, 4 and 16 blocks per chunk (F):
 
-    python benchmarks/planner.py [--json out.json] [--png out.png] [--repeat 200]
+* lookup + load plan of a 131 072-token request whose every chunk is in the tier;
+* store planning for 256 running decode requests, per step: the due check of every request
+  (`due_for_store`, once for the batch), the keys of the hash blocks that completed, and
+  `plan_store` for the due ones. The `x per-request` column is that time over the same steps
+  with `store_due` called per request.
 
-Targets (CPU of the machine it runs on):
-  * lookup + load plan of a 131 072-token request with three groups (full attention, block 16;
-    sliding window of 128 tokens, block 16; Mamba, block 16), every chunk in the tier: <= 1 ms;
-  * store planning for 256 running decode requests: <= 0.5 ms per step (the due check of
-    every request with `due_for_store`, keys, and `plan_store` for the due ones; the
-    `x per-request` column is that time over the same steps with `store_due` per request).
+    kvferry bench planner
 """
 
 from __future__ import annotations
@@ -18,15 +18,28 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
+from kvferry.benchmarks.common import (
+    add_common_options,
+    bar_line,
+    bar_result,
+    finish_axis,
+    measured_on,
+    measured_on_line,
+    output_paths,
+    positive_int,
+    pyplot,
+    save_plot,
+    write_json,
+)
 from kvferry.core import (
     GroupBlocks,
     GroupKind,
@@ -46,8 +59,12 @@ from kvferry.core import (
 )
 from kvferry.core.catalog import Catalog, CatalogConfig
 
-LOOKUP_TARGET_MS = 1.0
-STORE_STEP_TARGET_MS = 0.5
+NAME = "planner"
+LOOKUP_BAR_MS = 1.0
+"""Lookup + load plan of the 131 072-token request, worst F."""
+STORE_STEP_BAR_MS = 0.5
+"""Store planning for 256 decode requests, mean per step, worst F."""
+BLOCKS_PER_CHUNK = (1, 4, 16)
 BLOCK = 16
 WINDOW = 128
 
@@ -108,7 +125,7 @@ def bench_lookup_and_load(blocks_per_chunk: int, repeat: int) -> dict[str, Any]:
     catalog = Catalog(CatalogConfig(capacity_rows=len(keys)))
     reservation = catalog.reserve(keys)
     if reservation is None:
-        raise AssertionError("a catalog of len(keys) rows has room for the keys")
+        raise RuntimeError("a catalog of len(keys) rows had no room for the keys")
     catalog.complete_store(reservation.keys, success=True)
     view = catalog.view()
     hit = lookup(config, state, num_tokens=num_tokens, num_computed_tokens=0, tier=view)
@@ -231,7 +248,7 @@ def bench_store_steps(blocks_per_chunk: int, steps: int) -> dict[str, Any]:
     stored, step_ms = _store_steps(blocks_per_chunk, steps, batched=True)
     reference_stored, reference_ms = _store_steps(blocks_per_chunk, steps, batched=False)
     if stored != reference_stored:
-        raise AssertionError(
+        raise RuntimeError(
             f"F={blocks_per_chunk}: {stored} store plans with due_for_store, "
             f"{reference_stored} with store_due per request"
         )
@@ -247,21 +264,92 @@ def bench_store_steps(blocks_per_chunk: int, steps: int) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    """Run the planner benchmarks; print the table and the PASS/FAIL lines; return 0."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=200)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--png", type=Path, default=None)
-    args = parser.parse_args()
+def bars(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Return the verdicts of the two bars, each on the worst F: the long request's lookup + load
+    plan, and store planning's mean per step."""
+    worst_lookup = max(results["lookup"], key=lambda r: r["lookup_and_load_ms"])
+    worst_store = max(results["store"], key=lambda r: r["step_ms_mean"])
+    return [
+        bar_result(
+            worst_lookup["lookup_and_load_ms"] <= LOOKUP_BAR_MS,
+            f"lookup + load plan of a 131072-token request, 3 groups <= {LOOKUP_BAR_MS} ms, "
+            "every F",
+            f"worst {worst_lookup['lookup_and_load_ms']:.3f} ms "
+            f"(F = {worst_lookup['blocks_per_chunk']})",
+        ),
+        bar_result(
+            worst_store["step_ms_mean"] <= STORE_STEP_BAR_MS,
+            f"store planning for 256 decode requests <= {STORE_STEP_BAR_MS} ms per step "
+            "(mean), every F",
+            f"worst {worst_store['step_ms_mean']:.3f} ms (F = {worst_store['blocks_per_chunk']})",
+        ),
+    ]
 
+
+def plot(results: Path, png: Path, *, log: TextIO | None = None) -> Path | None:
+    """Draw planning milliseconds against F (lookup, lookup + load plan, store step) with the two
+    bars, from this benchmark's JSON; return the PNG's path, or None (said on `log`) without
+    matplotlib."""
+    plt = pyplot(log)
+    if plt is None:
+        return None
+    data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
+    curves = (
+        ("lookup", "lookup_ms", "lookup"),
+        ("lookup", "lookup_and_load_ms", "lookup + load plan"),
+        ("store", "step_ms_mean", "store planning per step (mean)"),
+        ("store", "step_ms_median", "store planning per step (median)"),
+    )
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for section, field, label in curves:
+        rows = [r for r in data.get(section, []) if field in r and "blocks_per_chunk" in r]
+        if rows:
+            rows.sort(key=lambda r: int(r["blocks_per_chunk"]))
+            axis.plot(
+                [int(r["blocks_per_chunk"]) for r in rows],
+                [float(r[field]) for r in rows],
+                marker="o",
+                label=label,
+            )
+    for level in (LOOKUP_BAR_MS, STORE_STEP_BAR_MS):
+        axis.axhline(level, color="grey", linewidth=0.8, linestyle="--")
+    finish_axis(axis, xlabel="blocks per chunk (F)", ylabel="ms")
+    measured = data.get("measured_on", {})
+    return save_plot(
+        plt,
+        figure,
+        png,
+        f"kvferry planner, CPU {measured.get('cpu', '')}, {measured.get('date', '')}\n"
+        "dashed: the bars (lookup + load 1 ms, store step 0.5 ms)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the planner benchmarks; print the tables and the bars; write the JSON and the PNG
+    under `--out`; return 0."""
+    parser = argparse.ArgumentParser(
+        prog=f"kvferry bench {NAME}", description=(__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--repeat", type=positive_int, default=None, help="timings per median (default 200)"
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="decode steps timed (default 64)"
+    )
+    add_common_options(parser, quick="a short run: 20 timings per median, 16 decode steps")
+    args = parser.parse_args(argv)
+    repeat = args.repeat or (20 if args.quick else 200)
+    steps = args.steps or (16 if args.quick else 64)
+
+    info = measured_on()
+    print(measured_on_line(info))
     results: dict[str, Any] = {
-        "machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}",
-        "lookup": [bench_lookup_and_load(f, args.repeat) for f in (1, 4, 16)],
-        "store": [bench_store_steps(f, args.steps) for f in (1, 4, 16)],
+        "measured_on": info,
+        "repeat": repeat,
+        "steps": steps,
+        "lookup": [bench_lookup_and_load(f, repeat) for f in BLOCKS_PER_CHUNK],
+        "store": [bench_store_steps(f, steps) for f in BLOCKS_PER_CHUNK],
     }
-    print(f"planner benchmark on {results['machine']}")
     print(f"{'F':>3} {'keys':>7} {'hit':>7} {'lookup ms':>10} {'+load ms':>9} {'tables ms':>10}")
     for row in results["lookup"]:
         print(
@@ -280,23 +368,15 @@ def main() -> int:
             f"{row['step_ms_max']:>8.3f} "
             f"{row['step_ms_mean'] / row['per_request_step_ms_mean']:>14.2f}"
         )
-    worst_lookup = max(row["lookup_and_load_ms"] for row in results["lookup"])
-    worst_store = max(row["step_ms_mean"] for row in results["store"])
-    for label, value, target in (
-        ("lookup + load plan, 131072 tokens, 3 groups", worst_lookup, LOOKUP_TARGET_MS),
-        ("store planning, 256 decode requests, mean per step", worst_store, STORE_STEP_TARGET_MS),
-    ):
-        verdict = "PASS" if value <= target else "FAIL"
-        print(f"{verdict}: {label}: {value:.3f} ms (target <= {target} ms, worst F)")
-    json_path = args.json or (args.png.with_suffix(".json") if args.png else None)
-    if json_path:
-        json_path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    if args.png and json_path:
-        from kvferry.adapters.bench import plot_planner  # draws `kvferry bench`'s plots too
-
-        plot_planner(json_path, args.png)
+    results["bars"] = bars(results)
+    for verdict in results["bars"]:
+        print(bar_line(verdict["passed"], verdict["bar"], verdict["measured"]))
+    json_path, png_path = output_paths(args.out, NAME)
+    write_json(json_path, results)
+    drawn = plot(json_path, png_path)
+    print(f"wrote {json_path}" + (f" and {drawn}" if drawn else ""))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,10 +1,13 @@
-"""Stress: 10 000 requests and >= 100 000 jobs through the session and the cpu executor.
+"""Stress: 10 000 requests and over 100 000 jobs through the session and the cpu executor.
 
-A benchmark, never part of the test suite: it prints jobs/s, peak RSS, RSS sampled along the
-run, and PASS/FAIL lines (job count, nothing lost, memory flat across the second half).
+Needs no GPU. An engine loop keeps `--live` requests in flight: it admits new ones (lookup, and
+a load of a prefix another request stored), prefills them `--step-tokens` tokens a step (store
+jobs), reports the results every step and finishes the requests that are done; the CPU tier is
+small enough that it evicts all the time. It prints jobs/s, the executor's share of the time,
+peak RSS and RSS sampled along the run, and one PASS/FAIL line per bar.
 
-    python3 benchmarks/stress.py            # defaults: 10 000 requests
-    python3 benchmarks/stress.py --requests 2000 --json bench-out/stress.json
+    kvferry bench stress                    # 10 000 requests
+    kvferry bench stress --requests 2000
 """
 
 from __future__ import annotations
@@ -14,14 +17,30 @@ import hashlib
 import json
 import os
 import resource
+import sys
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
 
 import attrs
 import numpy as np
 
 from kvferry.adapters.session import OffloadSession, RunningRequest
+from kvferry.benchmarks.common import (
+    add_common_options,
+    bar_line,
+    bar_result,
+    finish_axis,
+    measured_on,
+    measured_on_line,
+    output_paths,
+    positive_int,
+    pyplot,
+    save_plot,
+    write_json,
+)
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan
 from kvferry.core.catalog import Catalog, CatalogConfig
@@ -30,6 +49,7 @@ from kvferry.core.eviction import EvictionPolicyKind
 from kvferry.core.layout import TensorLayout
 from kvferry.executors import KVTensor, make_executor
 
+NAME = "stress"
 HASH_BLOCK = 16
 CONFIG = OffloadConfig(
     hash_block_size=HASH_BLOCK,
@@ -43,6 +63,8 @@ PAGE_BYTES = 256
 NUM_BLOCKS = 8192
 FLAT_LIMIT_BYTES = 16 << 20
 """Largest RSS growth allowed across the second half of the run (flatness threshold)."""
+JOBS_BAR = 100_000
+"""Jobs a run must reach to be long enough to judge its memory."""
 
 
 def _rss_bytes() -> int:
@@ -198,6 +220,8 @@ class Stress:
             self.finished += 1
 
     def run(self) -> dict[str, Any]:
+        """Serve every request; return the seconds it took ("elapsed_s") and the RSS sampled
+        every 2.5 % of the requests ("samples": finished requests, bytes)."""
         samples: list[tuple[int, int]] = []
         every = max(1, self.requests // 40)
         start = time.perf_counter()
@@ -215,19 +239,59 @@ class Stress:
         return {"elapsed_s": elapsed, "samples": samples}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=10_000)
-    parser.add_argument("--live", type=int, default=48, help="requests in flight at once")
-    parser.add_argument("--step-tokens", type=int, default=32, help="prefill tokens per step")
-    parser.add_argument("--rows", type=int, default=4096, help="CPU-tier rows (one chunk each)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+def plot(results: Path, png: Path, *, log: TextIO | None = None) -> Path | None:
+    """Draw RSS against finished requests from this benchmark's JSON, with the second half's
+    allowed growth; return the PNG's path, or None (said on `log`) without matplotlib."""
+    plt = pyplot(log)
+    if plt is None:
+        return None
+    data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
+    mib = 1 << 20
+    samples = [(int(done), int(rss)) for done, rss in data.get("rss_samples", [])]
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    axis.plot([d for d, _ in samples], [r / mib for _, r in samples], marker=".", label="RSS")
+    half = [r for d, r in samples if d >= int(data.get("requests", 0)) // 2]
+    finish_axis(axis, xlabel="requests finished", ylabel="RSS (MiB)", log2_x=False)
+    if half:
+        limit = (half[0] + FLAT_LIMIT_BYTES) / mib
+        axis.axhline(limit, color="grey", linewidth=0.8, linestyle="--")
+        axis.annotate("the bar: the second half's start + 16 MiB", (0, limit), fontsize=7)
+        axis.set_ylim(top=1.1 * limit)
+    measured = data.get("measured_on", {})
+    return save_plot(
+        plt,
+        figure,
+        png,
+        f"kvferry stress, CPU {measured.get('cpu', '')}, {measured.get('date', '')}\n"
+        f"{data.get('requests', '?')} requests, {data.get('jobs_total', '?')} jobs, "
+        f"{float(data.get('jobs_per_s', 0)):,.0f} jobs/s",
+    )
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the stress loop; print the rates, the memory and the bars; write the JSON and the PNG
+    under `--out`; return 0."""
+    parser = argparse.ArgumentParser(
+        prog=f"kvferry bench {NAME}", description=(__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument("--requests", type=positive_int, default=None, help="default 10000")
+    parser.add_argument("--live", type=positive_int, default=48, help="requests in flight at once")
+    parser.add_argument(
+        "--step-tokens", type=positive_int, default=32, help="prefill tokens per step"
+    )
+    parser.add_argument(
+        "--rows", type=positive_int, default=4096, help="CPU-tier rows (one chunk each)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    add_common_options(parser, quick="a short run: 500 requests (too few jobs to judge memory)")
+    args = parser.parse_args(argv)
+    requests = args.requests or (500 if args.quick else 10_000)
+
+    info = measured_on()
+    print(measured_on_line(info))
     rss_start = _rss_bytes()
     stress = Stress(
-        requests=args.requests,
+        requests=requests,
         live=args.live,
         step_tokens=args.step_tokens,
         rows=args.rows,
@@ -237,12 +301,12 @@ def main() -> None:
     jobs = stress.jobs["load"] + stress.jobs["store"]
     elapsed = out["elapsed_s"]
     samples = out["samples"]
-    second_half = [rss for done, rss in samples if done >= args.requests // 2]
+    second_half = [rss for done, rss in samples if done >= requests // 2]
     growth = max(second_half) - second_half[0] if second_half else 0
     counters = stress.session.counters()
     mib = 1 << 20
     print(
-        f"requests {args.requests}  jobs {jobs} "
+        f"requests {requests}  jobs {jobs} "
         f"(loads {stress.jobs['load']}, stores {stress.jobs['store']}, "
         f"failed {stress.jobs['failed']})"
     )
@@ -253,8 +317,8 @@ def main() -> None:
     copy_s = stress.copy_seconds
     print(
         f"elapsed {elapsed:.1f} s  ->  {jobs / elapsed:,.0f} jobs/s, "
-        f"{args.requests / elapsed:,.0f} requests/s; executor submit+poll {copy_s:.1f} s "
-        f"= {copy_s / elapsed:.2f} of the run (the rest: session, planner, this driver)"
+        f"{requests / elapsed:,.0f} requests/s; executor submit+poll {copy_s:.1f} s "
+        f"= {copy_s / elapsed:.2f} of the run (the rest: session, planner, this loop)"
     )
     print(
         f"RSS: start {rss_start / mib:.1f} MiB  peak (getrusage) {_peak_rss_bytes() / mib:.1f} MiB"
@@ -267,39 +331,47 @@ def main() -> None:
             f"{done}: {rss / mib:.1f}" for done, rss in samples[:: max(1, len(samples) // 10)]
         )
     )
-    checks = [
-        (f"jobs >= 100000 (got {jobs})", jobs >= 100_000),
-        (
-            f"no job lost: every issued job reported (in flight {len(stress.session.in_flight())},"
-            f" unreported {len(stress.issued)})",
-            not stress.issued and not stress.session.in_flight(),
+    in_flight = len(stress.session.in_flight())
+    verdicts = [
+        bar_result(
+            jobs >= JOBS_BAR,
+            f"the run is long enough to judge its memory: >= {JOBS_BAR} jobs",
+            f"{jobs} jobs",
         ),
-        (
-            f"memory flat across the second half: RSS growth {growth / mib:.2f} MiB"
-            f" <= {FLAT_LIMIT_BYTES / mib:.0f} MiB",
+        bar_result(
+            not stress.issued and not in_flight,
+            "no job lost: every job issued was reported",
+            f"in flight {in_flight}, unreported {len(stress.issued)}",
+        ),
+        bar_result(
             growth <= FLAT_LIMIT_BYTES,
+            f"memory flat: RSS grows <= {FLAT_LIMIT_BYTES // mib} MiB across the second half",
+            f"{growth / mib:.2f} MiB",
         ),
     ]
-    for text, ok in checks:
-        print(f"{'PASS' if ok else 'FAIL'}: {text}")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(
-                {
-                    "requests": args.requests,
-                    "jobs": stress.jobs,
-                    "elapsed_s": elapsed,
-                    "jobs_per_s": jobs / elapsed,
-                    "peak_rss_bytes": _peak_rss_bytes(),
-                    "rss_samples": samples,
-                    "second_half_growth_bytes": growth,
-                    "checks": {text: ok for text, ok in checks},
-                },
-                handle,
-                indent=2,
-            )
+    for verdict in verdicts:
+        print(bar_line(verdict["passed"], verdict["bar"], verdict["measured"]))
+    json_path, png_path = output_paths(args.out, NAME)
+    write_json(
+        json_path,
+        {
+            "measured_on": info,
+            "requests": requests,
+            "jobs": stress.jobs,
+            "jobs_total": jobs,
+            "elapsed_s": elapsed,
+            "jobs_per_s": jobs / elapsed,
+            "executor_share": copy_s / elapsed,
+            "peak_rss_bytes": _peak_rss_bytes(),
+            "rss_samples": samples,
+            "second_half_growth_bytes": growth,
+            "bars": verdicts,
+        },
+    )
+    drawn = plot(json_path, png_path)
+    print(f"wrote {json_path}" + (f" and {drawn}" if drawn else ""))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

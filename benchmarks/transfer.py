@@ -1,15 +1,16 @@
-"""Transfer bandwidth per executor, direction and page size, against the pinned-copy ceiling.
+"""Transfer: GB/s per executor, direction and page size, against a contiguous pinned copy.
 
-A benchmark, never part of the test suite: it needs a CUDA GPU and prints a table plus JSON.
-Effective GB/s is measured on the host clock from `submit()` to the end of `wait()`
-(planning, uploads and every queued call included); the ceiling is a contiguous 1 GiB pinned
-copy in each direction, measured in the same run. Jobs move random GPU block ids to or from CPU
-rows as a fresh kvferry `Catalog` allocates them for one job (`--rows random`: a fragmented
-tier). It ends with issue 5's target 1 and target 4 lines (PASS/FAIL). Target 4 reads the
-time inside `submit()` as the issue words it, the calling thread's CPU time (`thread_time`);
-the wall clock, which adds the time the thread was not running, is printed beside it.
+Needs a CUDA GPU; without one it says so and exits 3 (`EXIT_SKIPPED`).
 
-    python3 benchmarks/transfer.py --variants torch,cupy --json bench-out/transfer.json
+Per page size and executor it stores and loads jobs of `--gib` GiB (32 layers of blocks-first
+pages, one block per chunk): random GPU block ids, and CPU rows as a fresh kvferry `Catalog`
+gives one job (`--rows random`: a fragmented tier, one link copy per row). GB/s is bytes over
+the host time from `submit()` to the end of `wait()` (planning, uploads and every queued call
+included), the median of `--repeat` jobs after a warm-up, against a contiguous pinned copy of
+the same size measured in the same run. The time inside `submit()` is the calling thread's CPU
+time (`time.thread_time`); the wall clock is printed beside it.
+
+    kvferry bench transfer --variants torch,cupy
 
 `--gpus N` runs the same transfer on N GPUs at once, one worker process per GPU
 (`kvferry.adapters.workers`: the scheduler side sends each bound plan to every rank as message
@@ -25,55 +26,65 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TextIO
 
 import attrs
 import numpy as np
 
+from kvferry.benchmarks.common import (
+    EXIT_SKIPPED,
+    add_common_options,
+    bar_line,
+    bar_result,
+    cuda_torch,
+    finish_axis,
+    kib_list,
+    measured_on,
+    measured_on_line,
+    names,
+    output_paths,
+    positive_float,
+    positive_int,
+    pyplot,
+    save_plot,
+    write_json,
+)
 from kvferry.core.bound import BoundPlan
 from kvferry.core.catalog import Catalog, CatalogConfig
 from kvferry.core.keys import OffloadKey
 from kvferry.core.layout import TensorLayout
 from kvferry.core.plan import Direction, TransferPlan
 from kvferry.executors import CopyPath, KVTensor, make_executor
-from kvferry.executors.driver import CudaDriver
 
 # `kvferry.adapters.workers` is imported by the `--gpus` path only.
 
+NAME = "transfer"
 KIB = 1024
-TARGET_RATIO = 0.92
-TARGET_SUBMIT_SHARE = 0.05
-TARGET_SUBMIT_2048_US = 200
+RATIO_BAR = 0.92
+"""Each direction's GB/s over the contiguous pinned copy's, at every page size."""
+SUBMIT_SHARE_BAR = 0.05
+"""The CPU time inside `submit()` over the job's time."""
+SUBMIT_2048_BAR_US = 200
+"""The CPU time inside `submit()` of a 2048-block x 32-layer load, in µs."""
 SUBMIT_2048_REPEAT = 15
 """At least this many 2048-block loads per median: each is short, so more samples cost little,
-and a median of three moved by 100 us or more between runs on the device."""
+and a median of three moved by 100 µs or more between runs on an H200's host."""
 DEFAULT_PAGES = "4,8,16,28,32,64,256,2048"
+QUICK_PAGES = "16,256"
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "torch": ("torch", {}),
     "cupy": ("cupy", {"copy_path": CopyPath.STAGED}),
     "cupy-zero-copy": ("cupy", {"copy_path": CopyPath.ZERO_COPY}),
-    "torch-64MiB": ("torch", {"staging_bytes": 64 << 20}),
-    "torch-256MiB": ("torch", {"staging_bytes": 256 << 20}),
-    "cupy-256MiB": ("cupy", {"staging_bytes": 256 << 20}),
-    "torch-512MiB": ("torch", {"staging_bytes": 512 << 20}),
-    "cupy-512MiB": ("cupy", {"staging_bytes": 512 << 20}),
-    "cupy-512blocks": ("cupy", {"copy_blocks": 512}),
-    "torch-512blocks": ("torch", {"copy_blocks": 512}),
-    "torch-1024blocks": ("torch", {"copy_blocks": 1024}),
-    "cupy-1024blocks": ("cupy", {"copy_blocks": 1024}),
-    "torch-128blocks": ("torch", {"copy_blocks": 128}),
-    "cupy-128blocks": ("cupy", {"copy_blocks": 128}),
-    "torch-16blocks": ("torch", {"copy_blocks": 16}),
-    "cupy-16blocks": ("cupy", {"copy_blocks": 16}),
     "torch-thread": ("torch", {"submit_thread": True}),
     "cupy-thread": ("cupy", {"copy_path": CopyPath.STAGED, "submit_thread": True}),
-    "torch-urgent": ("torch", {"kernel_priority": -1}),
-    "cupy-urgent": ("cupy", {"kernel_priority": -1}),
     "cpu": ("cpu", {}),
 }
-"""Variant name -> (executor name, executor options). `cpu` is for `--gpus` dry runs only."""
+"""Variant name -> (executor name, executor options). `-thread`: with the submission thread;
+`cpu` is for `--gpus` dry runs only."""
 
 
 def bench_kv_caches(
@@ -97,40 +108,9 @@ def bench_kv_caches(
     )
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    """Write a benchmark's raw numbers to `path` as indented JSON."""
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2)
-
-
-def cuda_torch(script: str) -> Any:
-    """Return torch when it can see a CUDA GPU; else say why `script` measures nothing and
-    return None (the GPU benchmarks then exit 0)."""
-    try:
-        import torch
-    except ImportError:
-        print(f"{script} needs CUDA (torch with a CUDA GPU); torch is not installed")
-        return None
-    if not torch.cuda.is_available():
-        print(f"{script} needs CUDA: no CUDA GPU is visible; nothing measured")
-        return None
-    return torch
-
-
-def own_stream(torch: Any, *, priority: int = 0) -> Any:
-    """Return a torch stream that no one else holds, made through the CUDA driver (alive until
-    the process ends).
-
-    `torch.cuda.Stream()` hands out streams round robin from a pool of 32 per priority, so a
-    benchmark that asks for more gets one stream twice: an executor's idle compute stream, or a
-    pinned copy's, could then be the matmul loop's.
-    """
-    torch.cuda.synchronize()  # makes torch's CUDA context current: the driver call uses it
-    return torch.cuda.ExternalStream(CudaDriver().stream(priority=priority))
-
-
-def _ceiling(torch: Any, nbytes: int, repeat: int) -> dict[str, float]:
-    """Return GB/s of one contiguous pinned copy, each way, timed with CUDA events."""
+def pinned_copy_gbps(torch: Any, nbytes: int, repeat: int) -> dict[str, float]:
+    """Return GB/s of one contiguous pinned copy of `nbytes`, each way ("store": GPU to CPU,
+    "load": CPU to GPU), the median of `repeat` timed with CUDA events after one untimed."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     device.random_(0, 255)
@@ -148,7 +128,9 @@ def _ceiling(torch: Any, nbytes: int, repeat: int) -> dict[str, float]:
     return out
 
 
-def _bound(job: int, direction: Direction, ids: np.ndarray, rows: np.ndarray) -> BoundPlan:
+def bound_plan(job: int, direction: Direction, ids: np.ndarray, rows: np.ndarray) -> BoundPlan:
+    """Return job `job`: one group, one block per chunk, the GPU blocks `ids` to or from the CPU
+    rows `rows`."""
     plan = TransferPlan(
         request_id=f"bench{job}",
         direction=direction,
@@ -159,6 +141,16 @@ def _bound(job: int, direction: Direction, ids: np.ndarray, rows: np.ndarray) ->
         block_indices=[0],
     )
     return BoundPlan(job_id=job, plan=plan, cpu_rows=rows)
+
+
+def catalog_rows(moved: int) -> np.ndarray:
+    """Return the CPU rows a fresh kvferry `Catalog` gives a job of `moved` chunks: what a
+    prefix stored by one job (and loaded back by one) occupies in a tier that is not yet full."""
+    keys = [OffloadKey(0, i.to_bytes(8, "little")) for i in range(moved)]
+    reservation = Catalog(CatalogConfig(capacity_rows=moved)).reserve(keys)
+    if reservation is None:
+        raise RuntimeError("a fresh catalog had no room")
+    return np.asarray(reservation.rows, dtype=np.int64)
 
 
 class Measured(NamedTuple):
@@ -333,10 +325,11 @@ def _ceilings(pool: Any, gpus: int, nbytes: int, repeat: int) -> dict[str, dict[
     return out
 
 
-def run_multi_gpu(args: argparse.Namespace) -> None:
+def run_multi_gpu(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
     """The `--gpus N` benchmark: one worker process per rank, the same bound plans broadcast to
     every rank; aggregate GB/s = N x bytes per rank / (host time from the broadcast to the
-    last rank's end), against N x the single-GPU ceiling measured in the same run."""
+    last rank's end), against N x the single-GPU ceiling measured in the same run. Return the
+    results as the JSON holds them."""
     from kvferry.adapters.workers import WorkerPool
 
     gpus = args.gpus
@@ -345,11 +338,11 @@ def run_multi_gpu(args: argparse.Namespace) -> None:
     ceiling: dict[str, dict[str, float]] | None = None
     note = ""
     rows_out: list[dict[str, Any]] = []
-    for page_kib in (int(p) for p in args.pages_kib.split(",")):
+    for page_kib in args.pages_kib:
         page = page_kib * KIB
         moved = -(-total // (args.layers * page))
         num_blocks = 2 * moved
-        for variant in args.variants.split(","):
+        for variant in args.variants:
             shard = BenchShard(
                 variant=variant,
                 page_bytes=page,
@@ -381,7 +374,7 @@ def run_multi_gpu(args: argparse.Namespace) -> None:
                 for direction in (Direction.STORE, Direction.LOAD):
                     totals, ranks = [], []
                     for job in range(args.repeat + 1):
-                        bound = _bound(
+                        bound = bound_plan(
                             job + 1,
                             direction,
                             rng.choice(num_blocks, size=moved, replace=False),
@@ -414,66 +407,41 @@ def run_multi_gpu(args: argparse.Namespace) -> None:
                         "gpus": gpus,
                         "bytes_per_rank": nbytes,
                         "seconds": statistics.median(totals[1:]),
-                        "aggregate_gbps": aggregate,
+                        "gbps": aggregate,
                         "reference_gbps": reference,
-                        "ratio_to_n_ceilings": ratio,
+                        "ratio_to_ceiling": ratio,
                         "rank_copy_gbps": per_rank,
                     })  # fmt: skip
-    if args.json:
-        write_json(
-            args.json, {"gpus": gpus, "note": note, "ceiling_gbps": ceiling, "results": rows_out}
-        )
+    ceilings = ceiling or {}
+    return {
+        "measured_on": measured_on(torch),
+        "gpus": gpus,
+        "note": note,
+        "jobs": f"{gpus} ranks, {args.layers} layers, random block ids, catalog CPU rows",
+        "ceilings": ceilings,
+        "ceiling_gbps": {d: gpus * c["single"] for d, c in ceilings.items()},
+        "results": rows_out,
+    }
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="torch,cupy,cupy-zero-copy")
-    parser.add_argument("--pages-kib", default=DEFAULT_PAGES)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--staging-mib", type=int, default=None, help="default: the executor's")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--png", type=Path, default=None)
-    parser.add_argument(
-        "--rows",
-        choices=("catalog", "random"),
-        default="catalog",
-        help="CPU rows of a job: as a fresh kvferry Catalog allocates them (default), or a random "
-        "permutation (a fragmented tier: one link copy per row)",
-    )
-    parser.add_argument(
-        "--gpus",
-        type=int,
-        default=None,
-        help="run on N GPUs at once (one process each) and print the aggregate GB/s",
-    )
-    return parser
-
-
-def catalog_rows(moved: int) -> np.ndarray:
-    """Return the CPU rows a fresh kvferry `Catalog` gives a job of `moved` chunks: what a
-    prefix stored by one job (and loaded back by one) occupies in a tier that is not yet full."""
-    keys = [OffloadKey(0, i.to_bytes(8, "little")) for i in range(moved)]
-    reservation = Catalog(CatalogConfig(capacity_rows=moved)).reserve(keys)
-    if reservation is None:
-        raise RuntimeError("a fresh catalog had no room")
-    return np.asarray(reservation.rows, dtype=np.int64)
+# -- one GPU -----------------------------------------------------------------------------------
 
 
 def _submit_of_2048_block_load(
     torch: Any, variant: str, repeat: int, page: int
 ) -> dict[str, float]:
     """Return the median seconds inside `submit()` of a 2048-block x 32-layer load (`page`-byte
-    pages, catalog rows, random block ids; issue 5 target 4), as the thread's CPU time ("cpu")
-    and on the wall clock ("wall")."""
+    pages, catalog rows, random block ids), as the thread's CPU time ("cpu") and on the wall
+    clock ("wall")."""
     name, options = VARIANTS[variant]
     moved, num_blocks, kv = bench_kv_caches(torch, 32, page, 2048 * 32 * page)
     rng = np.random.default_rng(1)
     executor = make_executor(name, kv_caches=kv, blocks_per_chunk=1, num_rows=moved, **options)
     try:
         bounds = [
-            _bound(job, Direction.LOAD, rng.choice(num_blocks, moved, False), catalog_rows(moved))
+            bound_plan(
+                job, Direction.LOAD, rng.choice(num_blocks, moved, False), catalog_rows(moved)
+            )
             for job in range(repeat + 1)
         ]
         measured = _measure(executor, bounds)
@@ -484,78 +452,69 @@ def _submit_of_2048_block_load(
         torch.cuda.empty_cache()
 
 
-def _summary(
-    rows: list[dict[str, Any]], submit_2048: dict[str, dict[str, float]], layout: str
-) -> list[str]:
-    """Return the target 1 and target 4 lines: measured, target, PASS/FAIL."""
-    lines = []
+def bars(
+    rows: list[dict[str, Any]], submit_2048: dict[str, dict[str, float]]
+) -> list[dict[str, Any]]:
+    """Return the verdict of each bar on the measured rows and 2048-block loads: each direction
+    against the pinned copy, the submit's share of a job, and a 2048-block load's submit."""
+    out = []
     worst = min(rows, key=lambda r: r["ratio_to_ceiling"])
     per_variant = {
         v: min(r["ratio_to_ceiling"] for r in rows if r["executor"] == v)
         for v in dict.fromkeys(r["executor"] for r in rows)
     }
-    verdict = "PASS" if worst["ratio_to_ceiling"] >= TARGET_RATIO else "FAIL"
-    lines.append(
-        f"{verdict}: target 1 (each direction >= {TARGET_RATIO} x ceiling, {layout}): worst "
-        f"{worst['ratio_to_ceiling']:.2f} ({worst['executor']} {worst['direction']} "
-        f"{worst['page_bytes'] // KIB} KiB); per variant "
-        + ", ".join(f"{v} {r:.2f}" for v, r in per_variant.items())
+    out.append(
+        bar_result(
+            worst["ratio_to_ceiling"] >= RATIO_BAR,
+            f"each direction >= {RATIO_BAR} x the contiguous pinned copy of this run, "
+            "every executor and page size",
+            f"worst {worst['ratio_to_ceiling']:.2f} ({worst['executor']} {worst['direction']} "
+            f"{worst['page_bytes'] // KIB} KiB); per variant "
+            + ", ".join(f"{v} {r:.2f}" for v, r in per_variant.items()),
+        )
     )
     share = max(rows, key=lambda r: r["submit_cpu_seconds"] / r["seconds"])
     ratio = share["submit_cpu_seconds"] / share["seconds"]
     wall = max(r["submit_seconds"] / r["seconds"] for r in rows)
-    verdict = "PASS" if ratio <= TARGET_SUBMIT_SHARE else "FAIL"
-    lines.append(
-        f"{verdict}: target 4 (CPU time inside submit() <= {TARGET_SUBMIT_SHARE:.0%} of the "
-        f"transfer time, 1 GiB jobs): worst {ratio:.1%} ({share['executor']} "
-        f"{share['direction']} {share['page_bytes'] // KIB} KiB, "
-        f"{share['submit_cpu_seconds'] * 1e3:.2f} of {share['seconds'] * 1e3:.2f} ms); "
-        f"on the wall clock worst {wall:.1%}"
+    out.append(
+        bar_result(
+            ratio <= SUBMIT_SHARE_BAR,
+            f"CPU time inside submit() <= {SUBMIT_SHARE_BAR:.0%} of the job's time, every job",
+            f"worst {ratio:.1%} ({share['executor']} {share['direction']} "
+            f"{share['page_bytes'] // KIB} KiB, {share['submit_cpu_seconds'] * 1e3:.2f} of "
+            f"{share['seconds'] * 1e3:.2f} ms); on the wall clock worst {wall:.1%}",
+        )
     )
     if submit_2048:
         worst_us = max(t["cpu"] for t in submit_2048.values()) * 1e6
-        verdict = "PASS" if worst_us <= TARGET_SUBMIT_2048_US else "FAIL"
-        slowest: dict[str, float] = {}  # per variant (a key is "<variant> <page> KiB pages")
-        for key, t in submit_2048.items():
-            variant = key.split(" ", 1)[0]
-            slowest[variant] = max(slowest.get(variant, 0.0), t["cpu"] * 1e6)
-        lines.append(
-            f"{verdict}: target 4 (CPU time inside submit() of a 2048-block x 32-layer load <= "
-            f"{TARGET_SUBMIT_2048_US} us; wall clock in brackets): "
-            + ", ".join(
-                f"{v} {t['cpu'] * 1e6:.0f} us (wall {t['wall'] * 1e6:.0f})"
-                for v, t in submit_2048.items()
-            )
-            + "; per variant "
-            + ", ".join(
-                f"{v} {'PASS' if us <= TARGET_SUBMIT_2048_US else 'FAIL'}"
-                for v, us in slowest.items()
+        out.append(
+            bar_result(
+                worst_us <= SUBMIT_2048_BAR_US,
+                "CPU time inside submit() of a 2048-block x 32-layer load <= "
+                f"{SUBMIT_2048_BAR_US} us (wall clock in brackets)",
+                ", ".join(
+                    f"{v} {t['cpu'] * 1e6:.0f} us ({t['wall'] * 1e6:.0f})"
+                    for v, t in submit_2048.items()
+                ),
             )
         )
-    return lines
+    return out
 
 
-def main() -> None:
-    """Run the sweep; print the table and the target lines; write JSON (and a PNG) when asked."""
-    parser = _parser()
-    args = parser.parse_args()
-    if args.gpus is not None:
-        if args.gpus < 1:
-            parser.error("--gpus: expected an integer >= 1")
-        run_multi_gpu(args)
-        return
-    if "cpu" in args.variants.split(","):
-        parser.error("--variants cpu: only with --gpus (a dry run of the multi-process path)")
-
-    import torch
-
+def run_one_gpu(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
+    """Measure every variant at every page size on this process's GPU; print the table and the
+    bars; return the results as the JSON holds them."""
+    info = measured_on(torch)
+    print(measured_on_line(info))
     total = int(args.gib * (1 << 30))
-    ceiling = _ceiling(torch, total, args.repeat)
+    ceiling = pinned_copy_gbps(torch, total, args.repeat)
     rng = np.random.default_rng(0)
     rows_out = []
-    layout = f"{args.layers} layers, random block ids, {args.rows} CPU rows"
-    print(f"ceiling (contiguous pinned copy, {args.gib} GiB): ", end="")
-    print(f"store D2H {ceiling['store']:.1f} GB/s, load H2D {ceiling['load']:.1f} GB/s")
+    layout = f"{args.layers} layers, random block ids, {args.rows} CPU rows, {args.gib} GiB jobs"
+    print(
+        f"ceiling (contiguous pinned copy, {args.gib} GiB): store (GPU to CPU) "
+        f"{ceiling['store']:.1f} GB/s, load (CPU to GPU) {ceiling['load']:.1f} GB/s"
+    )
     print(f"jobs: {layout}")
     header = (
         f"{'executor':<15} {'dir':<6} {'page':>8} {'GB/s':>7} {'ratio':>6} {'submit ms':>10} "
@@ -563,10 +522,10 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    for page_kib in (int(p) for p in args.pages_kib.split(",")):
+    for page_kib in args.pages_kib:
         page = page_kib * KIB
         moved, num_blocks, kv = bench_kv_caches(torch, args.layers, page, total)
-        for variant in args.variants.split(","):
+        for variant in args.variants:
             name, options = VARIANTS[variant]
             if args.staging_mib is not None:
                 options = {**options, "staging_bytes": args.staging_mib << 20}
@@ -576,7 +535,7 @@ def main() -> None:
             try:
                 for direction in (Direction.STORE, Direction.LOAD):
                     bounds = [
-                        _bound(
+                        bound_plan(
                             job,
                             direction,
                             rng.choice(num_blocks, size=moved, replace=False),
@@ -618,28 +577,126 @@ def main() -> None:
         f"{v} {page_kib} KiB pages": _submit_of_2048_block_load(
             torch, v, max(args.repeat, SUBMIT_2048_REPEAT), page_kib * KIB
         )
-        for v in args.variants.split(",")
+        for v in args.variants
         for page_kib in (4, 16)
     }
-    for line in _summary(rows_out, submit_2048, layout):
-        print(line)
-    json_path = args.json or (args.png.with_suffix(".json") if args.png else None)
-    if json_path:
-        write_json(
-            json_path,
-            {
-                "device": torch.cuda.get_device_name(),
-                "ceiling_gbps": ceiling,
-                "jobs": layout,
-                "results": rows_out,
-                "submit_2048_block_load_seconds": submit_2048,
-            },
-        )
-    if args.png and json_path:
-        from kvferry.adapters.bench import plot_transfer
+    verdicts = bars(rows_out, submit_2048)
+    for verdict in verdicts:
+        print(bar_line(verdict["passed"], verdict["bar"], verdict["measured"]))
+    return {
+        "measured_on": info,
+        "ceiling_gbps": ceiling,
+        "jobs": layout,
+        "results": rows_out,
+        "submit_2048_block_load_seconds": submit_2048,
+        "bars": verdicts,
+    }
 
-        plot_transfer(Path(json_path), args.png)
+
+def plot(results: Path, png: Path, *, log: TextIO | None = None) -> Path | None:
+    """Draw GB/s against page size per executor and direction, with the pinned-copy ceilings,
+    from this benchmark's JSON; return the PNG's path, or None (said on `log`) when matplotlib
+    is not installed."""
+    plt = pyplot(log)
+    if plt is None:
+        return None
+    data: dict[str, Any] = json.loads(results.read_text(encoding="utf-8"))
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for row in data.get("results", []):
+        key = (str(row["executor"]), str(row["direction"]))
+        series.setdefault(key, []).append((int(row["page_bytes"]), float(row["gbps"])))
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for (executor, direction), points in sorted(series.items()):
+        points.sort()
+        axis.plot(
+            [p / KIB for p, _ in points],
+            [g for _, g in points],
+            marker="o",
+            linestyle="-" if direction == "store" else "--",
+            label=f"{executor} {direction}",
+        )
+    for direction, gbps in data.get("ceiling_gbps", {}).items():
+        axis.axhline(float(gbps), color="grey", linewidth=0.8, linestyle=":")
+        axis.annotate(f"pinned copy, {direction}: {float(gbps):.1f}", (1, float(gbps)), fontsize=7)
+    finish_axis(axis, xlabel="page (KiB)", ylabel="GB/s, submit() to the end of wait()")
+    measured = data.get("measured_on", {})
+    return save_plot(
+        plt,
+        figure,
+        png,
+        f"kvferry transfer, {measured.get('gpu', 'GPU')}, {measured.get('date', '')}\n"
+        + str(data.get("jobs", "")),
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"kvferry bench {NAME}",
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog="Needs a CUDA GPU (except --gpus N --variants cpu); exits 3 without one.",
+    )
+    parser.add_argument(
+        "--variants",
+        type=names,
+        default=None,
+        help="comma-separated, of " + ", ".join(VARIANTS) + " (default torch,cupy)",
+    )
+    parser.add_argument("--pages-kib", type=kib_list, default=None, help=f"default {DEFAULT_PAGES}")
+    parser.add_argument("--layers", type=positive_int, default=32)
+    parser.add_argument(
+        "--gib", type=positive_float, default=None, help="bytes per job (default 1)"
+    )
+    parser.add_argument(
+        "--repeat", type=positive_int, default=None, help="jobs per median (default 3)"
+    )
+    parser.add_argument(
+        "--staging-mib", type=positive_int, default=None, help="default: the executor's"
+    )
+    parser.add_argument(
+        "--rows",
+        choices=("catalog", "random"),
+        default="catalog",
+        help="CPU rows of a job: as a fresh kvferry Catalog allocates them (default), or a random "
+        "permutation (a fragmented tier: one link copy per row)",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=None,
+        help="run on N GPUs at once (one process each) and print the aggregate GB/s",
+    )
+    add_common_options(
+        parser, quick=f"a short run: pages {QUICK_PAGES} KiB, 0.25 GiB jobs, median of 1"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sweep; print the table and the bars; write the JSON and the PNG under `--out`.
+    Return 0, or `EXIT_SKIPPED` when there is no CUDA GPU."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    args.variants = args.variants or ["torch", "cupy"]
+    args.pages_kib = args.pages_kib or kib_list(QUICK_PAGES if args.quick else DEFAULT_PAGES)
+    args.gib = args.gib or (0.25 if args.quick else 1.0)
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    on_host = args.variants == ["cpu"]
+    if "cpu" in args.variants and (args.gpus is None or not on_host):
+        parser.error("--variants cpu: alone, and only with --gpus (a dry run of the processes)")
+    torch = None if on_host else cuda_torch(NAME)
+    if torch is None and not on_host:
+        return EXIT_SKIPPED
+    json_path, png_path = output_paths(args.out, NAME)
+    run = run_one_gpu if args.gpus is None else run_multi_gpu
+    results = run(args, torch)
+    write_json(json_path, results)
+    drawn = plot(json_path, png_path)
+    print(f"wrote {json_path}" + (f" and {drawn}" if drawn else ""))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
