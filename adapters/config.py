@@ -194,6 +194,14 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
             help="make staged jobs' CUDA calls on a thread of the executor's own",
         ),
         ConfigKey(
+            name="no_native",
+            kind="boolean",
+            default=False,
+            allowed="true or false",
+            parse=_parse_bool,
+            help="per-job host work in Python even where the compiled module is built",
+        ),
+        ConfigKey(
             name="record_events",
             kind="boolean",
             default=False,
@@ -225,6 +233,8 @@ class KvferryConfig:
     """Staging bytes per direction for GPU executors; None: the executor's default."""
     submit_thread: bool = False
     """GPU executors make staged jobs' driver calls on a thread of their own."""
+    no_native: bool = False
+    """Executors take the Python route (`kvferry.executors.jobcode`), not the compiled one."""
     record_events: bool = False
     """Keep catalog events for `drain_events`."""
 
@@ -314,6 +324,8 @@ class KvferryConfig:
             options["staging_bytes"] = self.staging_bytes
         if self.submit_thread:
             options["submit_thread"] = True
+        if self.no_native:
+            options["route"] = "python"
         return options
 
 

@@ -77,7 +77,7 @@ class Executor(abc.ABC):
         num_rows: int,
         route: str | None = None,
     ) -> None:
-        self._jobs: JobCode = job_code(route)
+        self._code: JobCode = job_code(route)
         """The module that makes the per-job host work: the compiled one or `_python`."""
         self._layout, self._tensors = build_layout(kv_caches, blocks_per_chunk, on_gpu=self.on_gpu)
         devices = {t.geometry.device for group in self._tensors for t in group}
@@ -130,7 +130,7 @@ class Executor(abc.ABC):
     @property
     def route(self) -> str:
         """Return the route that makes the per-job host work: `"native"` or `"python"`."""
-        return route_of(self._jobs)
+        return route_of(self._code)
 
     @property
     def tensors(self) -> tuple[tuple[RegisteredTensor, ...], ...]:
@@ -197,7 +197,7 @@ class Executor(abc.ABC):
         """
         plan = bound.plan
         num_blocks, copy_bytes = self._group_limits
-        nbytes = self._jobs.bound_bytes(
+        nbytes = self._code.bound_bytes(
             plan.gpu_block_ids,
             bound.cpu_rows,
             plan.group_sizes,

@@ -181,27 +181,35 @@ def load_bindings() -> Any:
 class DriverBindings:
     """A staged job's driver calls for the Python route, through `cuda.bindings.driver` (or
     any module of its functions, for tests). Each call returns the driver's `CUresult` (an int,
-    0 on success), as the Python route's job code expects of a callable; handles are integers.
+    0 on success; `CUresult` is an int), as the Python route's job code expects of a callable;
+    handles are integers.
     """
 
     def __init__(self, module: Any = None) -> None:
         self._driver = load_bindings() if module is None else module
+        driver = self._driver
+        self._record, self._wait = driver.cuEventRecord, driver.cuStreamWaitEvent
+        self._copy, self._set_context = driver.cuMemcpyAsync, driver.cuCtxSetCurrent
 
     def record(self, event: int, stream: int) -> int:
         """`cuEventRecord(event, stream)`."""
-        return int(self._driver.cuEventRecord(event, stream)[0])
+        status: int = self._record(event, stream)[0]
+        return status
 
     def wait(self, stream: int, event: int) -> int:
         """`cuStreamWaitEvent(stream, event, 0)`."""
-        return int(self._driver.cuStreamWaitEvent(stream, event, 0)[0])
+        status: int = self._wait(stream, event, 0)[0]
+        return status
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
         """`cuMemcpyAsync(dst, src, nbytes, stream)`: unified addresses, either direction."""
-        return int(self._driver.cuMemcpyAsync(dst, src, nbytes, stream)[0])
+        status: int = self._copy(dst, src, nbytes, stream)[0]
+        return status
 
     def set_context(self, context: int) -> int:
         """`cuCtxSetCurrent(context)`, which a submission thread calls once."""
-        return int(self._driver.cuCtxSetCurrent(context)[0])
+        status: int = self._set_context(context)[0]
+        return status
 
     def stage_copy(
         self, function: int, threads: int, *, refs: int, ids: int, to_stage: bool, piece: int
@@ -248,12 +256,11 @@ class StageLaunch:
         values = parameters.values
         with parameters.lock:
             values[0], values[1], values[4] = segments, count, stage
-            return int(
-                self._launch(
-                    self._function, blocks, 1, 1, self._threads, 1, 1, 0, stream,
-                    parameters.address, 0,
-                )[0]
-            )  # fmt: skip
+            status: int = self._launch(
+                self._function, blocks, 1, 1, self._threads, 1, 1, 0, stream,
+                parameters.address, 0,
+            )[0]  # fmt: skip
+            return status
 
 
 class TableLaunch:
@@ -274,9 +281,8 @@ class TableLaunch:
         values = parameters.values
         with parameters.lock:
             values[0], values[1], values[2] = src, dst, count
-            return int(
-                self._launch(
-                    self._function, blocks, 1, 1, self._threads, 1, 1, 0, stream,
-                    parameters.address, 0,
-                )[0]
-            )  # fmt: skip
+            status: int = self._launch(
+                self._function, blocks, 1, 1, self._threads, 1, 1, 0, stream,
+                parameters.address, 0,
+            )[0]  # fmt: skip
+            return status

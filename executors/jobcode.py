@@ -16,6 +16,7 @@ environment variable `KVFERRY_NO_NATIVE=1` makes the Python route the default (i
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable, Sequence
@@ -80,7 +81,7 @@ class JobCode(Protocol):
         """Cut a job's keys into staging batches."""
         ...
 
-    def run_copies(
+    def run_copies(  # noqa: PLR0917 (the compiled module's signature)
         self,
         lines: bytes,
         key0: Sequence[int],
@@ -98,7 +99,7 @@ class JobCode(Protocol):
         """Return whether int64 rows count up by one."""
         ...
 
-    def bound_bytes(
+    def bound_bytes(  # noqa: PLR0917 (the compiled module's signature)
         self,
         ids: IdArray,
         rows: IdArray,
@@ -115,7 +116,7 @@ class JobCode(Protocol):
         """Return the bytes of a bound plan that certainly fits, else -1."""
         ...
 
-    def begin_job(
+    def begin_job(  # noqa: PLR0917 (the compiled module's signature)
         self,
         driver: tuple[Any, Any, Any],
         lanes: tuple[int, int],
@@ -140,7 +141,7 @@ class JobCode(Protocol):
         """Queue a job's last event records and waits."""
         ...
 
-    def queue_job(
+    def queue_job(  # noqa: PLR0917 (the compiled module's signature)
         self,
         driver: tuple[Any, Any, Any],
         lanes: tuple[int, int],
@@ -154,7 +155,7 @@ class JobCode(Protocol):
         """Queue a whole staged job."""
         ...
 
-    def stage_job(
+    def stage_job(  # noqa: PLR0917 (the compiled module's signature)
         self,
         constants: tuple[Any, ...],
         first: int,
@@ -180,24 +181,18 @@ class JobCode(Protocol):
         ...
 
 
-_native_module: ModuleType | None = None
-_native_error: str | None = None
-
-
-def _load_native() -> ModuleType | None:
-    """Return the compiled module, or None (remembering why) where it is not built."""
-    global _native_module, _native_error
-    if _native_module is None and _native_error is None:
-        try:
-            _native_module = importlib.import_module("kvferry.executors._native")
-        except ImportError as error:
-            _native_error = str(error)
-    return _native_module
+@functools.cache
+def _load_native() -> tuple[ModuleType | None, str]:
+    """Return the compiled module, or None and why it does not import (once per process)."""
+    try:
+        return importlib.import_module("kvferry.executors._native"), ""
+    except ImportError as error:
+        return None, str(error)
 
 
 def native_available() -> bool:
     """Return True where the compiled module `kvferry.executors._native` imports."""
-    return _load_native() is not None
+    return _load_native()[0] is not None
 
 
 def default_route() -> str:
@@ -222,13 +217,13 @@ def job_code(route: str | None = None) -> JobCode:
         from kvferry.executors import _python
 
         return _python
-    module = _load_native()
+    module, why = _load_native()
     if module is None:
         raise ExecutorUnavailableError(
             "route 'native' needs the compiled module kvferry.executors._native, which is not"
-            f" built here ({_native_error}): {INSTALL_HINT}, or use route='python'"
+            f" built here ({why}): {INSTALL_HINT}, or use route='python'"
         )
-    code: JobCode = module  # type: ignore[assignment]  # _native.pyi states the same functions
+    code: JobCode = module  # _native.pyi states the functions JobCode names
     return code
 
 

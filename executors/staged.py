@@ -181,7 +181,7 @@ class StagedGpuExecutor(Executor):
             piece_bytes=PIECE_BYTES,
             # a tier pinned in one piece has no registration boundary to respect
             tier_piece_bytes=0 if len(self.host_tier.pieces) == 1 else self.host_tier.piece_bytes,
-            jobs=self._jobs,
+            code=self._code,
         )
         self._bindings: DriverBindings | None = None
         """The Python route's per-job driver calls (`cuda-bindings`), made at first use."""
@@ -387,7 +387,7 @@ class StagedGpuExecutor(Executor):
         the job code's `queue_job` makes these calls itself)."""
         self._drain()  # the thread's jobs first: these calls go to the same lanes
         job, previous = self._new_job(direction, path)
-        failed = self._jobs.begin_job(
+        failed = self._code.begin_job(
             self._driver_calls(),
             self._lane_handles[direction],
             self._compute_stream_now(),
@@ -403,7 +403,7 @@ class StagedGpuExecutor(Executor):
         """Record the job's end on the lane of its last batch (batch k runs on lane k % 2; a job
         of no batch ends on the first), after the other lane's work when it has some; the next
         job of the direction waits for it."""
-        failed = self._jobs.end_job(
+        failed = self._code.end_job(
             self._driver_calls(),
             self._lane_handles[direction],
             batches,
@@ -467,18 +467,18 @@ class StagedGpuExecutor(Executor):
         first: int,
         compute: int,
     ) -> int:
-        """Plan `bound`, write its tables to the direction's free `slot` and queue it as `job`
-        from lane `first`, after `previous` (an end event, or None) and the work queued on raw
-        stream `compute`, in one call of the job code (`stage_job`); return the job's batches,
-        or -1, having written and queued nothing, for a job that call does not cover (see `_enqueue_staged`) or one whose
-        tables do not fit the slot."""
+        """Plan `bound`, write its tables to the direction's free `slot` and queue it as `job` from
+        lane `first`, after `previous` (an end event, or None) and the work queued on raw stream
+        `compute`, in one call of the job code (`stage_job`); return the job's batches, or -1,
+        having written and queued nothing, for a job that call does not cover (see
+        `_enqueue_staged`) or one whose tables do not fit the slot."""
         direction = bound.plan.direction
         plan = bound.plan
         submitter = self._submitter_now()
         ready = None
         if submitter is not None:  # the job's own: see GpuJob.ready
             ready = self._spare_ready.pop() if self._spare_ready else self._new_event()
-        batches, failed = self._jobs.stage_job(
+        batches, failed = self._code.stage_job(
             self._constants.get(direction) or self._job_constants(direction),
             first,
             compute,
@@ -523,7 +523,7 @@ class StagedGpuExecutor(Executor):
         lanes, stages = self._lane_handles[direction], self._stages(direction)
         if first:
             lanes, stages = (lanes[1], lanes[0]), (stages[1], stages[0])
-        failed = self._jobs.queue_job(
+        failed = self._code.queue_job(
             self._driver_calls(),
             lanes,
             compute,
@@ -668,7 +668,7 @@ class StagedGpuExecutor(Executor):
         """Return the submission thread (started now, on the device, at the first call), or
         None without `submit_thread`."""
         if self._submitter is None and self._submit_thread:
-            self._submitter = self._jobs.Submitter(*self._thread_context())
+            self._submitter = self._code.Submitter(*self._thread_context())
         return self._submitter
 
     def _drain(self) -> None:

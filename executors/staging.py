@@ -1,13 +1,13 @@
 """Splitting a transfer into batches that pass through a bounded GPU staging buffer.
 
 numpy, and the job code's loops (`executors.jobcode`: compiled, or Python) for the arithmetic per
-batch and slice; O(keys) per job in one pass, and it never lists a page. A batch is a run of consecutive keys whose CPU rows fit in
-the buffer, laid out there exactly as in the tier, so its link copies are one DMA per contiguous
-range of rows. The on-GPU side of a batch is a few lines of a *slice table* (one line per group in
-the batch), read with the layout's *ref table* (one line per ref, built once): from the two the
-copy kernel (`kernels.STAGE_COPY_SOURCE`) computes every page address itself. `segment_copies`
-is the same arithmetic in numpy, the kernel's specification and its stand-in on machines without
-a GPU.
+batch and slice; O(keys) per job in one pass, and it never lists a page. A batch is a run of
+consecutive keys whose CPU rows fit in the buffer, laid out there exactly as in the tier, so its
+link copies are one DMA per contiguous range of rows. The on-GPU side of a batch is a few lines of a
+*slice table* (one line per group in the batch), read with the layout's *ref table* (one line per
+ref, built once): from the two the copy kernel (`kernels.STAGE_COPY_SOURCE`) computes every page
+address itself. `segment_copies` is the same arithmetic in numpy, the kernel's specification and its
+stand-in on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -159,9 +159,9 @@ class StagePlanner:
         piece_bytes: int,
         tier_piece_bytes: int = 0,
         ramp_bytes: int = 8 << 20,
-        jobs: JobCode | None = None,
+        code: JobCode | None = None,
     ) -> None:
-        self._jobs = job_code() if jobs is None else jobs
+        self._code = job_code() if code is None else code
         """The job code whose loops plan (`executors.jobcode`; its default route when None)."""
         if capacity < layout.row_bytes:
             raise InvalidInputError(
@@ -220,9 +220,9 @@ class StagePlanner:
                 (*refs[:4], self._sizes[g], self._dense[g]) for g, refs in enumerate(self._refs_of)
             ),
         )
-        """What the job code's `stage_job` plans with: staging capacity, ramp bytes, blocks per chunk,
-        row bytes, rows per registered piece of the tier (0: one piece), the ref table's int64
-        count, and per layout group its first ref, refs, pieces and bytes per page, row bytes,
+        """What the job code's `stage_job` plans with: staging capacity, ramp bytes, blocks per
+        chunk, row bytes, rows per registered piece of the tier (0: one piece), the ref table's
+        int64 count, and per layout group its first ref, refs, pieces and bytes per page, row bytes,
         and whether its pages are unpadded."""
 
     def plan(self, bound: BoundPlan) -> StagePlan:
@@ -244,7 +244,7 @@ class StagePlanner:
         """
         groups = self._groups(bound)
         direction = bound.plan.direction
-        table_bytes, line_bytes, line_bounds, stage_bytes, items, nbytes = self._jobs.slice_batches(
+        table_bytes, line_bytes, line_bounds, stage_bytes, items, nbytes = self._code.slice_batches(
             groups,
             direction is Direction.STORE,
             self._capacity,
@@ -305,11 +305,11 @@ class StagePlanner:
             return ((), (), ()), (0,) * (n_batches + 1)
         exact = self._exact_keys(direction, groups)
         whole_rows = self._whole_rows or all(group.size == self._row_bytes for group in groups)
-        if not len(exact) and whole_rows and self._jobs.consecutive(rows):
+        if not len(exact) and whole_rows and self._code.consecutive(rows):
             # one copy per slice, cut only at the tier's registration boundaries (the common job)
             per_piece = self._tier_piece_bytes // self._row_bytes
             first_keys = [group.key0 for group in groups]
-            run_src, run_dst, run_size, run_bounds = self._jobs.run_copies(
+            run_src, run_dst, run_size, run_bounds = self._code.run_copies(
                 lines,
                 first_keys,
                 n_batches,
@@ -433,8 +433,8 @@ _NO_KEYS = np.zeros(0, np.int64)
 _NO_KEYS.setflags(write=False)
 
 _SLICE_LINE_WIDTH = 5
-"""Columns of a job's slice list (the job code's `slice_batches`): the batch, the group (an index into
-the job's groups, not the layout's group number), the slice's first key counted in its group,
+"""Columns of a job's slice list (the job code's `slice_batches`): the batch, the group (an index
+into the job's groups, not the layout's group number), the slice's first key counted in its group,
 its key count, and the offset of its first key in the batch's staging."""
 
 

@@ -132,7 +132,11 @@ def _forms(driver: _Driver, how: str, *, store: bool) -> tuple[Any, Any, Any]:
     kernel = calls.stage_copy(
         STAGE_KERNEL, THREADS, refs=3000, ids=4000, to_stage=store, piece=PIECE_BYTES
     )
-    return (calls.record, calls.wait, calls.copy), calls.table_copy(TABLE_KERNEL, THREADS, MOST), kernel
+    return (
+        (calls.record, calls.wait, calls.copy),
+        calls.table_copy(TABLE_KERNEL, THREADS, MOST),
+        kernel,
+    )
 
 
 def _job(
@@ -264,7 +268,9 @@ def test_a_job_of_two_batches_ends_on_lane_1_after_lane_0(form: tuple[str, str])
     ]
 
 
-def test_a_job_of_no_batch_uploads_and_ends_on_lane_0_after_the_previous_job(form: tuple[str, str]) -> None:
+def test_a_job_of_no_batch_uploads_and_ends_on_lane_0_after_the_previous_job(
+    form: tuple[str, str],
+) -> None:
     driver = _Driver()
     none = {"items": (), "lines": (0,), "link": (0,), "src": (), "dst": (), "size": ()}
     assert _driver_job(driver, form, store=False, columns=none) is None
