@@ -44,7 +44,7 @@ def compiler_works() -> bool:
             )
             compiler.link_shared_object(objects, os.path.join(folder, "probe.so"))
         except Exception as error:  # any failure means: build without the module
-            print(f"kvferry: no working C compiler ({error}); installing without _native")
+            print(f"kvferry: no working C compiler ({error}); building without _native")
             return False
     return True
 
@@ -52,7 +52,7 @@ def compiler_works() -> bool:
 def ext_modules() -> list[Extension]:
     """Return the compiled module where it can and may be built, else nothing."""
     if os.environ.get("KVFERRY_NO_NATIVE", "") == "1":
-        print("kvferry: KVFERRY_NO_NATIVE=1; installing without _native")
+        print("kvferry: KVFERRY_NO_NATIVE=1; building without _native")
         return []
     if sys.platform == "win32":  # the module uses POSIX threads
         return []

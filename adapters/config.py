@@ -188,7 +188,7 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
         ConfigKey(
             name="submit_thread",
             kind="boolean",
-            default=False,
+            default=True,
             allowed="true or false (GPU executors only)",
             parse=_parse_bool,
             help="make staged jobs' CUDA calls on a thread of the executor's own",
@@ -231,7 +231,7 @@ class KvferryConfig:
     """Store generated tokens' chunks too."""
     staging_bytes: int | None = None
     """Staging bytes per direction for GPU executors; None: the executor's default."""
-    submit_thread: bool = False
+    submit_thread: bool = True
     """GPU executors make staged jobs' driver calls on a thread of their own."""
     no_native: bool = False
     """Executors take the Python route (`kvferry.executors.jobcode`), not the compiled one."""
@@ -322,8 +322,8 @@ class KvferryConfig:
         options: dict[str, Any] = {}
         if self.staging_bytes is not None:
             options["staging_bytes"] = self.staging_bytes
-        if self.submit_thread:
-            options["submit_thread"] = True
+        if not self.submit_thread:
+            options["submit_thread"] = False
         if self.no_native:
             options["route"] = "python"
         return options

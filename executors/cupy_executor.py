@@ -97,7 +97,7 @@ class CupyExecutor(StagedGpuExecutor):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,
         kernel_priority: int = 0,
-        submit_thread: bool = False,
+        submit_thread: bool = True,
         route: str | None = None,
         copy_path: CopyPath | PathChoice = CopyPath.STAGED,
         zero_copy_blocks: int = 32,

@@ -141,10 +141,10 @@ class StagedGpuExecutor(Executor):
     and the compiled kernel; a job's calls (events, DMAs, launches) go to the CUDA driver
     (`executors.driver`), on integer handles.
 
-    With `submit_thread`, a common staged job's calls after its `ready` record are made by a
-    thread of the executor's own (the route's `Submitter`), so `submit()` returns once the job
-    is planned, its tables written and `ready` recorded: see docs/executors.md, "The submission
-    thread".
+    With `submit_thread` (the default), a common staged job's calls after its `ready` record are
+    made by a thread of the executor's own (the route's `Submitter`), so `submit()` returns once
+    the job is planned, its tables written and `ready` recorded: see docs/executors.md, "The
+    submission thread".
 
     `route` picks the code that makes each job's host work (`executors.jobcode`): `"native"`
     (the compiled module), `"python"` (numpy and `cuda-bindings`), or None for the compiled
@@ -164,7 +164,7 @@ class StagedGpuExecutor(Executor):
         staging_bytes: int,
         copy_blocks: int,
         kernel_priority: int = 0,
-        submit_thread: bool = False,
+        submit_thread: bool = True,
         route: str | None = None,
     ) -> None:
         super().__init__(

@@ -76,7 +76,7 @@ class TorchExecutor(StagedGpuExecutor):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,
         kernel_priority: int = 0,
-        submit_thread: bool = False,
+        submit_thread: bool = True,
         route: str | None = None,
     ) -> None:
         torch = load_torch()

@@ -74,7 +74,9 @@ def _made(case: str, f: int, rows_per_half: int, route: str) -> RecordingExecuto
     backend = TorchBackend(NAME, device="cpu")
     row_bytes = Model(backend, LAYOUT_CASES[case], f, route=route).executor
     staging = 2 * rows_per_half * row_bytes.layout.row_bytes
-    model = Model(backend, LAYOUT_CASES[case], f, staging_bytes=staging, route=route)
+    model = Model(  # the calls on this thread, for the test to read at once
+        backend, LAYOUT_CASES[case], f, staging_bytes=staging, route=route, submit_thread=False
+    )
     assert isinstance(model.executor, RecordingExecutor)
     return model.executor
 
