@@ -4,6 +4,10 @@ make identical driver calls: the Python route (`_python`) against the compiled m
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 from _harness import LAYOUT_CASES, NUM_ROWS, Model, NumpyBackend
@@ -152,3 +156,36 @@ def test_the_python_route_leaves_every_plan_to_check_bound() -> None:
     ids = np.arange(4, dtype=np.int64)
     python = job_code("python")
     assert python.bound_bytes(ids, ids, (4,), (0,), 1, 1, (8,), (16,), 8, False) == -1
+
+
+def test_kvferry_imports_and_the_cpu_executor_runs_where_the_compiled_module_is_missing() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["kvferry.executors._native"] = None  # as where no compiler built it
+        import numpy as np
+        from kvferry.core import Direction, OffloadKey, TransferPlan
+        from kvferry.core.bound import BoundPlan
+        from kvferry.core.layout import TensorLayout
+        from kvferry.executors import KVTensor, make_executor
+
+        kv = np.arange(2 * 8 * 4 * 16, dtype=np.uint8).reshape(2, 8, 4, 16)
+        executor = make_executor(
+            "cpu", kv_caches=[[KVTensor(tensor=kv, layout=TensorLayout.KV_SPLIT)]],
+            blocks_per_chunk=2, num_rows=4,
+        )
+        plan = TransferPlan(
+            request_id="r", direction=Direction.STORE, blocks_per_chunk=2,
+            keys=[OffloadKey(0, b"\\x01")], gpu_block_ids=[5, 3], group_sizes=[2],
+            block_indices=[0],
+        )
+        executor.submit(BoundPlan(job_id=1, plan=plan, cpu_rows=[2]))
+        (result,) = executor.wait([1])
+        print(executor.route, result.success, result.nbytes)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["python", "True", "256"]
