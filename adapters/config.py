@@ -188,10 +188,18 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
         ConfigKey(
             name="submit_thread",
             kind="boolean",
-            default=False,
+            default=True,
             allowed="true or false (GPU executors only)",
             parse=_parse_bool,
             help="make staged jobs' CUDA calls on a thread of the executor's own",
+        ),
+        ConfigKey(
+            name="no_native",
+            kind="boolean",
+            default=False,
+            allowed="true or false",
+            parse=_parse_bool,
+            help="per-job host work in Python even where the compiled module is built",
         ),
         ConfigKey(
             name="record_events",
@@ -223,8 +231,10 @@ class KvferryConfig:
     """Store generated tokens' chunks too."""
     staging_bytes: int | None = None
     """Staging bytes per direction for GPU executors; None: the executor's default."""
-    submit_thread: bool = False
+    submit_thread: bool = True
     """GPU executors make staged jobs' driver calls on a thread of their own."""
+    no_native: bool = False
+    """Executors take the Python route (`kvferry.executors.jobcode`), not the compiled one."""
     record_events: bool = False
     """Keep catalog events for `drain_events`."""
 
@@ -312,8 +322,10 @@ class KvferryConfig:
         options: dict[str, Any] = {}
         if self.staging_bytes is not None:
             options["staging_bytes"] = self.staging_bytes
-        if self.submit_thread:
-            options["submit_thread"] = True
+        if not self.submit_thread:
+            options["submit_thread"] = False
+        if self.no_native:
+            options["route"] = "python"
         return options
 
 

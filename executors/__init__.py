@@ -1,7 +1,9 @@
 """Executors carry plans out as copies between GPU blocks and the pinned CPU tier.
 
 They never decide what to move (that is `kvferry.core`'s job), and importing this package
-imports no GPU framework: `torch` and `cupy` load only when their executor is made.
+imports no GPU framework: `torch` and `cupy` load only when their executor is made. Nor does it
+need the optional compiled module `_native`: the GPU executors use it where it is built and
+plain Python otherwise (`kvferry.executors.jobcode`).
 """
 
 from kvferry.executors.base import CopyPath, Executor

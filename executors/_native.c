@@ -1,10 +1,12 @@
 /* Per-job host work, compiled: a bound plan's checks, batch slicing, run copies, a job's driver
  * calls, and all of these but the check in one call for the common staged job (stage_job).
  *
- * `kvferry.executors.base`, `.staging` and `.staged` call these on every submit(): in
- * Python they were most of a 2048-block load's host time (docs/benchmarks.md). Each function
- * here is specified by its caller's docstring and tested through it; none keeps state but the
- * Submitter, a thread that makes staged jobs' calls off the submitting thread.
+ * The compiled route of `kvferry.executors.jobcode`: an optional accelerator, built by
+ * `pip install` where a C compiler works. `executors/_python.py` has the same functions, with
+ * the same arguments and answers, and the executors run either (docs/executors.md says what
+ * this module buys, measured). Each function here is specified by its caller's docstring and
+ * tested through it, on both routes; none keeps state but the Submitter, a thread that makes
+ * staged jobs' calls off the submitting thread.
  *
  * Integers cross as Python ints and tuples; int64 tables come back as `bytes`, which numpy
  * views without a copy (and read-only, as the planner's tables must be).
@@ -507,18 +509,30 @@ static int parse_upload(PyObject *in, Upload *u) {
 }
 
 /* Each call below returns 0, -1 with a Python exception, or a CUDA error code (> 0) with
- * *failed naming the call. */
-static int called(PyObject *result) {
+ * *failed naming the call. A callable answers None (or 0) when it made the call, or a CUDA
+ * error code, which counts as the driver's. */
+static int called(PyObject *result, const char *call, const char **failed) {
     if (!result) return -1;
+    long status = 0;
+    if (PyLong_Check(result)) {
+        status = PyLong_AsLong(result);
+        if (status == -1 && PyErr_Occurred()) {
+            Py_DECREF(result);
+            return -1;
+        }
+    }
     Py_DECREF(result);
-    return 0;
+    if (status <= 0) return 0;
+    *failed = call;
+    return (int)status;
 }
 
 static int record_event(const Driver *d, const Event *event, uint64_t stream,
                         const char **failed) {
     if (d->record_call)
         return called(PyObject_CallFunction(d->record_call, "OK", event->object,
-                                            (unsigned long long)stream));
+                                            (unsigned long long)stream),
+                      "cuEventRecord", failed);
     int status = d->record(event->handle, (void *)(uintptr_t)stream);
     if (status) *failed = "cuEventRecord";
     return status;
@@ -528,7 +542,8 @@ static int wait_event(const Driver *d, uint64_t stream, const Event *event,
                       const char **failed) {
     if (d->wait_call)
         return called(PyObject_CallFunction(d->wait_call, "KO", (unsigned long long)stream,
-                                            event->object));
+                                            event->object),
+                      "cuStreamWaitEvent", failed);
     int status = d->wait((void *)(uintptr_t)stream, event->handle, 0);
     if (status) *failed = "cuStreamWaitEvent";
     return status;
@@ -539,7 +554,8 @@ static int copy(const Driver *d, uint64_t dst, uint64_t src, int64_t nbytes, uin
     if (d->copy_call)
         return called(PyObject_CallFunction(d->copy_call, "KKLK", (unsigned long long)dst,
                                             (unsigned long long)src, (long long)nbytes,
-                                            (unsigned long long)stream));
+                                            (unsigned long long)stream),
+                      "cuMemcpyAsync", failed);
     int status = d->copy(dst, src, (size_t)nbytes, (void *)(uintptr_t)stream);
     if (status) *failed = "cuMemcpyAsync";
     return status;
@@ -550,7 +566,8 @@ static int launch(const Kernel *k, uint64_t stream, uint64_t segments, int count
     if (k->call)
         return called(PyObject_CallFunction(k->call, "KKiKI", (unsigned long long)stream,
                                             (unsigned long long)segments, count,
-                                            (unsigned long long)stage, blocks));
+                                            (unsigned long long)stage, blocks),
+                      "cuLaunchKernel", failed);
     /* the kernel's parameters, in kernels.STAGE_COPY_SOURCE's order */
     uint64_t seg = segments, refs = k->refs, ids = k->ids, stg = stage;
     int n = count, to_stage = k->to_stage, piece = k->piece;
@@ -565,7 +582,8 @@ static int upload(const Upload *u, uint64_t stream, const char **failed) {
     if (u->call)
         return called(PyObject_CallFunction(u->call, "KKLK", (unsigned long long)u->dst,
                                             (unsigned long long)u->src, (long long)u->count,
-                                            (unsigned long long)stream));
+                                            (unsigned long long)stream),
+                      "cuLaunchKernel", failed);
     /* the kernel's parameters, in kernels.TABLE_COPY_SOURCE's order */
     uint64_t src = u->src, dst = u->dst;
     long long count = u->count;

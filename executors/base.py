@@ -19,8 +19,8 @@ from kvferry.core.errors import InvalidInputError, KvferryError
 from kvferry.core.expand import check_bound
 from kvferry.core.layout import KVLayout
 from kvferry.core.plan import Direction
-from kvferry.executors import _native
 from kvferry.executors.host import HostRegistrar, HostTier
+from kvferry.executors.jobcode import JobCode, job_code, route_of
 from kvferry.executors.tensors import KVTensor, RegisteredTensor, build_layout
 
 
@@ -58,6 +58,10 @@ class Executor(abc.ABC):
     """Runs bound plans asynchronously between registered KV tensors and a host tier.
 
     `submit` returns at once; every job is reported exactly once, by `poll` or `wait`.
+
+    `route` picks the code of the per-job host work (`executors.jobcode`): `"native"` (the
+    compiled module), `"python"`, or None for the compiled module where it is built (unless
+    `KVFERRY_NO_NATIVE=1`). Every route gives the same results.
     """
 
     name: ClassVar[str]
@@ -66,8 +70,15 @@ class Executor(abc.ABC):
     """Whether its KV tensors live in CUDA memory."""
 
     def __init__(
-        self, *, kv_caches: Sequence[Sequence[KVTensor]], blocks_per_chunk: int, num_rows: int
+        self,
+        *,
+        kv_caches: Sequence[Sequence[KVTensor]],
+        blocks_per_chunk: int,
+        num_rows: int,
+        route: str | None = None,
     ) -> None:
+        self._code: JobCode = job_code(route)
+        """The module that makes the per-job host work: the compiled one or `_python`."""
         self._layout, self._tensors = build_layout(kv_caches, blocks_per_chunk, on_gpu=self.on_gpu)
         devices = {t.geometry.device for group in self._tensors for t in group}
         if len(devices) > 1:
@@ -115,6 +126,11 @@ class Executor(abc.ABC):
     def layout(self) -> KVLayout:
         """Return the layout of the registered tensors."""
         return self._layout
+
+    @property
+    def route(self) -> str:
+        """Return the route that makes the per-job host work: `"native"` or `"python"`."""
+        return route_of(self._code)
 
     @property
     def tensors(self) -> tuple[tuple[RegisteredTensor, ...], ...]:
@@ -171,17 +187,17 @@ class Executor(abc.ABC):
         """Return the bytes `bound` moves, after `check_bound`'s checks against the layout and
         the tier (raising what it raises).
 
-        The checks run first as one compiled pass (`_native.bound_bytes`), which answers only
-        for a plan that certainly fits; for any other, `check_bound` runs and says what is
-        wrong. Right after a `wait()` a submit's code and data are partly out of the CPU caches,
-        where each numpy call costs ten times what it does warm: `check_bound` took 11-46 us of
-        a 2048-block load's submit on the device's host; with the caches swept on the
-        development machine, 46-50 us against 14-16 us for the compiled pass
+        On the compiled route the checks run first as one C pass (`bound_bytes`), which answers
+        only for a plan that certainly fits; for any other, and on the Python route, `check_bound`
+        runs and says what is wrong. Right after a `wait()` a submit's code and data are partly
+        out of the CPU caches, where each numpy call costs ten times what it does warm:
+        `check_bound` took 11-46 us of a 2048-block load's submit on an NVIDIA H200's host, and
+        46-50 us against 14-16 us for the C pass on a development CPU with the caches swept
         (`benchmarks/host_steps.py`).
         """
         plan = bound.plan
         num_blocks, copy_bytes = self._group_limits
-        nbytes = _native.bound_bytes(
+        nbytes = self._code.bound_bytes(
             plan.gpu_block_ids,
             bound.cpu_rows,
             plan.group_sizes,

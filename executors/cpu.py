@@ -30,9 +30,16 @@ class CpuExecutor(Executor):
     on_gpu = False
 
     def __init__(
-        self, *, kv_caches: Sequence[Sequence[KVTensor]], blocks_per_chunk: int, num_rows: int
+        self,
+        *,
+        kv_caches: Sequence[Sequence[KVTensor]],
+        blocks_per_chunk: int,
+        num_rows: int,
+        route: str | None = None,
     ) -> None:
-        super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
+        super().__init__(
+            kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows, route=route
+        )
 
     def _enqueue(self, bound: BoundPlan) -> float:
         start = time.perf_counter()

@@ -49,8 +49,8 @@ def load_cupy() -> Any:
         return importlib.import_module("cupy")
     except ImportError as error:
         raise ExecutorUnavailableError(
-            "the cupy executor needs CuPy: pip install 'kvferry[cupy13]' (CUDA 13) or "
-            f"'kvferry[cupy12]' (CUDA 12) ({error})"
+            "the cupy executor needs CuPy: pip install -e '.[cupy13]' (CUDA 13) or"
+            f" -e '.[cupy12]' (CUDA 12) in a checkout of kvferry ({error})"
         ) from error
 
 
@@ -97,7 +97,8 @@ class CupyExecutor(StagedGpuExecutor):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,
         kernel_priority: int = 0,
-        submit_thread: bool = False,
+        submit_thread: bool = True,
+        route: str | None = None,
         copy_path: CopyPath | PathChoice = CopyPath.STAGED,
         zero_copy_blocks: int = 32,
     ) -> None:
@@ -122,6 +123,7 @@ class CupyExecutor(StagedGpuExecutor):
             copy_blocks=copy_blocks,
             kernel_priority=kernel_priority,
             submit_thread=submit_thread,
+            route=route,
         )
         with self._on_device():
             self._compute_stream = as_cupy_stream(cupy, compute_stream)

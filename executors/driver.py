@@ -1,13 +1,16 @@
-"""The CUDA driver calls of the staged path: events through ctypes, and the addresses of the
-calls that compiled code makes.
+"""The CUDA driver calls of the staged path.
 
-A staged job's calls (its event records and stream waits, the table upload, a kernel launch and
-a DMA or so per batch) are made by compiled code (`_native.queue_job`) through the addresses
-here; the host's own calls on events (create, query, synchronize, time, destroy) go through
-ctypes. Through torch these calls cost 5-90 µs each on the device H200's host (torch's NVRTC
-launcher builds its ctypes arguments on every call, ~90 µs; torch has no call at all for an
-asynchronous copy between raw addresses); straight to `libcuda` they cost a few µs. Both GPU
-executors use these, and make their lanes here too (`stream`): `torch.cuda.Stream()` hands out
+`CudaDriver` (ctypes on `libcuda.so.1`) makes the host's own calls on events and streams
+(create, query, synchronize, time, destroy) for both routes, and hands the compiled route
+(`_native`) the addresses of the calls a job makes (event records, stream waits, launches,
+DMAs). `DriverBindings` makes those same per-job calls for the Python route, through NVIDIA's
+`cuda-bindings`, which releases the GIL while the driver works, so a submission thread's calls
+run beside the caller's Python.
+
+Through torch these calls cost 5-90 µs each (measured on an NVIDIA H200: torch's NVRTC launcher
+builds its ctypes arguments on every call, ~90 µs, and torch has no call at all for an
+asynchronous copy between raw addresses); straight to the driver they cost a few µs. Both GPU
+executors make their lanes here too (`CudaDriver.stream`): `torch.cuda.Stream()` hands out
 streams round robin from a pool of 32 per priority that the whole process shares, so a lane
 from there could be a stream the engine computes on. The libraries still own the memory and the
 compiled kernels.
@@ -16,6 +19,9 @@ compiled kernels.
 from __future__ import annotations
 
 import ctypes
+import importlib
+import threading
+from array import array
 from typing import Any
 
 from kvferry.core.errors import ExecutorUnavailableError
@@ -151,3 +157,132 @@ def check_status(status: int, call: str) -> None:
     """Raise `RuntimeError` naming `call` when the driver answered `status` other than 0."""
     if status != 0:
         raise RuntimeError(f"{call} failed with CUDA driver error {status}")
+
+
+BINDINGS_HINT = (
+    "pip install -e '.[torch]' (or '.[cupy13]', '.[cupy12]') in a checkout of kvferry, which"
+    " installs cuda-bindings; or install kvferry with a C compiler on PATH for the compiled route"
+)
+"""How to get `cuda-bindings`, which the Python route's driver calls need."""
+
+
+def load_bindings() -> Any:
+    """Return `cuda.bindings.driver`, or raise ExecutorUnavailableError saying how to install
+    it."""
+    try:
+        return importlib.import_module("cuda.bindings.driver")
+    except ImportError as error:
+        raise ExecutorUnavailableError(
+            f"the Python route calls the CUDA driver through cuda-bindings: {BINDINGS_HINT}"
+            f" ({error})"
+        ) from error
+
+
+class DriverBindings:
+    """A staged job's driver calls for the Python route, through `cuda.bindings.driver` (or
+    any module of its functions, for tests). Each call returns the driver's `CUresult` (an int,
+    0 on success; `CUresult` is an int), as the Python route's job code expects of a callable;
+    handles are integers.
+    """
+
+    def __init__(self, module: Any = None) -> None:
+        self._driver = load_bindings() if module is None else module
+        driver = self._driver
+        self._record, self._wait = driver.cuEventRecord, driver.cuStreamWaitEvent
+        self._copy, self._set_context = driver.cuMemcpyAsync, driver.cuCtxSetCurrent
+
+    def record(self, event: int, stream: int) -> int:
+        """`cuEventRecord(event, stream)`."""
+        status: int = self._record(event, stream)[0]
+        return status
+
+    def wait(self, stream: int, event: int) -> int:
+        """`cuStreamWaitEvent(stream, event, 0)`."""
+        status: int = self._wait(stream, event, 0)[0]
+        return status
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> int:
+        """`cuMemcpyAsync(dst, src, nbytes, stream)`: unified addresses, either direction."""
+        status: int = self._copy(dst, src, nbytes, stream)[0]
+        return status
+
+    def set_context(self, context: int) -> int:
+        """`cuCtxSetCurrent(context)`, which a submission thread calls once."""
+        status: int = self._set_context(context)[0]
+        return status
+
+    def stage_copy(
+        self, function: int, threads: int, *, refs: int, ids: int, to_stage: bool, piece: int
+    ) -> StageLaunch:
+        """Return one table slot's staging-kernel launch (`StageLaunch`)."""
+        return StageLaunch(self._driver, function, threads, (refs, ids, int(to_stage), piece))
+
+    def table_copy(self, function: int, threads: int, most: int) -> TableLaunch:
+        """Return a direction's table-copy launch (`TableLaunch`)."""
+        return TableLaunch(self._driver, function, threads, most)
+
+
+class _Parameters:
+    """A kernel's parameters as `cuLaunchKernel` reads them: `count` slots of 8 bytes and an
+    array of pointers to them (an int parameter is read from its slot's first 4 bytes, which on
+    a little-endian host hold its value). A lock makes setting and launching one step."""
+
+    def __init__(self, count: int) -> None:
+        self.values = array("q", bytes(8 * count))
+        base = self.values.buffer_info()[0]
+        self.pointers = array("Q", [base + 8 * i for i in range(count)])
+        self.address = self.pointers.buffer_info()[0]
+        self.lock = threading.Lock()
+
+
+class StageLaunch:
+    """`(stream, segments, count, stage, blocks)` launches `kernels.STAGE_COPY_SOURCE` through
+    `cuLaunchKernel`, its parameters in `staged.STAGE_COPY_ARGUMENTS`' order: the batch's slice
+    lines and their count and staging half, with the slot's constant ref table, block ids,
+    direction and piece bytes. Returns the `CUresult`."""
+
+    def __init__(
+        self, driver: Any, function: int, threads: int, constants: tuple[int, int, int, int]
+    ) -> None:
+        self._launch = driver.cuLaunchKernel
+        self._function = function
+        self._threads = threads
+        self._parameters = _Parameters(7)
+        values = self._parameters.values
+        values[2], values[3], values[5], values[6] = constants
+
+    def __call__(self, stream: int, segments: int, count: int, stage: int, blocks: int) -> int:
+        parameters = self._parameters
+        values = parameters.values
+        with parameters.lock:
+            values[0], values[1], values[4] = segments, count, stage
+            status: int = self._launch(
+                self._function, blocks, 1, 1, self._threads, 1, 1, 0, stream,
+                parameters.address, 0,
+            )[0]  # fmt: skip
+            return status
+
+
+class TableLaunch:
+    """`(dst, src, count, stream)` launches `kernels.TABLE_COPY_SOURCE` through
+    `cuLaunchKernel`: `count` int64 from `src` to `dst`, one block per `threads` values, at most
+    `most`. Returns the `CUresult`."""
+
+    def __init__(self, driver: Any, function: int, threads: int, most: int) -> None:
+        self._launch = driver.cuLaunchKernel
+        self._function = function
+        self._threads = threads
+        self._most = most
+        self._parameters = _Parameters(3)
+
+    def __call__(self, dst: int, src: int, count: int, stream: int) -> int:
+        blocks = min(max(-(-count // self._threads), 1), self._most)
+        parameters = self._parameters
+        values = parameters.values
+        with parameters.lock:
+            values[0], values[1], values[2] = src, dst, count
+            status: int = self._launch(
+                self._function, blocks, 1, 1, self._threads, 1, 1, 0, stream,
+                parameters.address, 0,
+            )[0]  # fmt: skip
+            return status

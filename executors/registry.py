@@ -85,7 +85,11 @@ def executor_class(name: str) -> type[Executor]:
         )
     for module in entry.requires:
         if importlib.util.find_spec(module) is None:
-            how = f"pip install 'kvferry[{entry.extra}]'" if entry.extra else f"install {module}"
+            how = (
+                f"pip install -e '.[{entry.extra}]' in a checkout of kvferry"
+                if entry.extra
+                else f"install {module}"
+            )
             raise ExecutorUnavailableError(
                 f"executor {name!r} needs {module!r}, which is not installed: {how}"
             )

@@ -24,9 +24,9 @@ import numpy as np
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.plan import Direction
-from kvferry.executors import _native
 from kvferry.executors.base import CopyPath, Executor
-from kvferry.executors.driver import CudaDriver, check_status
+from kvferry.executors.driver import CudaDriver, DriverBindings, check_status
+from kvferry.executors.jobcode import Submitter
 from kvferry.executors.kernels import (
     PIECE_BYTES,
     STAGE_COPY_NAME,
@@ -41,8 +41,8 @@ from kvferry.executors.tensors import KVTensor
 
 DEFAULT_STAGING_BYTES = 256 << 20
 """GPU staging per direction (two halves) unless told otherwise. Each batch costs a few host
-calls; on the device H200, 256 MiB gave 0.90-0.96 of the link where 128 MiB gave 0.90-0.95 and
-half the submit time went to per-batch calls (docs/benchmark-history.md)."""
+calls; on an NVIDIA H200, 256 MiB gave 0.90-0.96 of the link where 128 MiB gave 0.90-0.95 and
+half the submit time went to per-batch calls."""
 
 TABLE_SLOTS = 4
 """Pinned table buffers per direction, taken by jobs in turn (see `_free_slot`)."""
@@ -56,7 +56,8 @@ STAGE_COPY_ARGUMENTS = (
     ctypes.c_int,  # to_stage
     ctypes.c_int,  # piece bytes
 )
-"""The C types of `kernels.STAGE_COPY_SOURCE`'s parameters, in order, as `_native.c` passes them."""
+"""The C types of `kernels.STAGE_COPY_SOURCE`'s parameters, in order, as the job code passes
+them."""
 TABLE_COPY_ARGUMENTS = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_longlong)
 """The same for `kernels.TABLE_COPY_SOURCE` (source, destination, int64 count)."""
 
@@ -64,13 +65,15 @@ DEFAULT_COPY_BLOCKS = 512
 """Thread blocks of a staging kernel launch at most (about four per SM of an H200). Alone, 128
 reach HBM speed already; beside a model whose kernels hold every SM's registers, a staging
 kernel runs only in the gaps between them, and more blocks move more bytes per gap: on the
-device H200, 512 blocks slowed a matmul by +3.7..4.8 % where 128 slowed it by +5.8..6.5 %, about
-what the least any staged path does costs there (docs/benchmark-history.md, seventh session)."""
+NVIDIA H200, 512 blocks slowed a matmul by +3.7..4.8 % where 128 slowed it by +5.8..6.5 %, about
+what the least any staged path does costs there."""
 
-StageCopy = Callable[[int, int, int, int, int], None]
+StageCopy = Callable[[int, int, int, int, int], int | None]
 """One job's staging-kernel launch as a callable: `(stream, segments, count, stage, blocks)` runs
 the kernel on raw stream `stream` over the `count` slice lines at address `segments`, with
-staging half `stage`, on `blocks` thread blocks."""
+staging half `stage`, on `blocks` thread blocks. Like every driver call given as a callable, it
+returns None (or 0) when made, or a CUDA error status, which stops the job and names the
+call."""
 
 NativeLaunch = tuple[int, int, int, int, int, bool, int]
 """One job's staging-kernel launch for the compiled job code to make itself: the address of
@@ -78,25 +81,26 @@ NativeLaunch = tuple[int, int, int, int, int, bool, int]
 parameters (ref table address, block ids address, to_stage, piece bytes)."""
 
 StageKernel = StageCopy | NativeLaunch
-"""What `StagedGpuExecutor._stage_kernel` returns: either form serves the compiled job code."""
+"""What `StagedGpuExecutor._stage_kernel` returns: either form serves the compiled route, the
+callable the Python route."""
 
-Dma = Callable[[int, int, int, int], None] | int
+Dma = Callable[[int, int, int, int], int | None] | int
 """`(dst, src, nbytes, stream)` queues one copy between unified addresses (pinned host or
 device) on raw stream `stream`; or, for the compiled job code to call, the address of a
 function of `cuMemcpyAsync`'s signature."""
 
-Record = Callable[[Any, int], None] | int
+Record = Callable[[Any, int], int | None] | int
 """`(event, stream)` records `event` on raw stream `stream`; or the address of `cuEventRecord`."""
 
-Wait = Callable[[int, Any], None] | int
+Wait = Callable[[int, Any], int | None] | int
 """`(stream, event)` makes raw stream `stream` wait for `event`'s last record; or the address
 of `cuStreamWaitEvent`."""
 
 DriverCalls = tuple[Record, Wait, Dma]
-"""How the compiled job code records events, makes streams wait and queues DMAs
-(`StagedGpuExecutor._driver_calls`)."""
+"""How the job code records events, makes streams wait and queues DMAs
+(`StagedGpuExecutor._driver_calls`); the Python route takes callables only."""
 
-TableCopy = Callable[[int, int, int, int], None] | tuple[int, int, int, int]
+TableCopy = Callable[[int, int, int, int], int | None] | tuple[int, int, int, int]
 """`(dst, src, count, stream)` copies `count` int64 from pinned `src` to GPU `dst`; or, for the
 compiled job code to launch `kernels.TABLE_COPY_SOURCE` itself, the address of
 `cuLaunchKernel`, the kernel's `CUfunction`, threads per block and the most blocks (it takes one
@@ -137,10 +141,14 @@ class StagedGpuExecutor(Executor):
     and the compiled kernel; a job's calls (events, DMAs, launches) go to the CUDA driver
     (`executors.driver`), on integer handles.
 
-    With `submit_thread`, a common staged job's calls after its `ready` record are made by a
-    thread of the executor's own (`_native.Submitter`), so `submit()` returns once the job is
-    planned, its tables written and `ready` recorded: see docs/executors.md, "The submission
-    thread". Off by default.
+    With `submit_thread` (the default), a common staged job's calls after its `ready` record are
+    made by a thread of the executor's own (the route's `Submitter`), so `submit()` returns once
+    the job is planned, its tables written and `ready` recorded: see docs/executors.md, "The
+    submission thread".
+
+    `route` picks the code that makes each job's host work (`executors.jobcode`): `"native"`
+    (the compiled module), `"python"` (numpy and `cuda-bindings`), or None for the compiled
+    module where it is built. Both make the same driver calls and write the same tables.
     """
 
     min_table_values = 1 << 16
@@ -156,11 +164,14 @@ class StagedGpuExecutor(Executor):
         staging_bytes: int,
         copy_blocks: int,
         kernel_priority: int = 0,
-        submit_thread: bool = False,
+        submit_thread: bool = True,
+        route: str | None = None,
     ) -> None:
-        super().__init__(kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows)
+        super().__init__(
+            kv_caches=kv_caches, blocks_per_chunk=blocks_per_chunk, num_rows=num_rows, route=route
+        )
         self._submit_thread = submit_thread
-        self._submitter: _native.Submitter | None = None
+        self._submitter: Submitter | None = None
         """The submission thread, started at the first staged job when `submit_thread`."""
         self._half_bytes = max(staging_bytes // 2, self.layout.row_bytes)
         self._copy_blocks = copy_blocks
@@ -170,7 +181,10 @@ class StagedGpuExecutor(Executor):
             piece_bytes=PIECE_BYTES,
             # a tier pinned in one piece has no registration boundary to respect
             tier_piece_bytes=0 if len(self.host_tier.pieces) == 1 else self.host_tier.piece_bytes,
+            code=self._code,
         )
+        self._bindings: DriverBindings | None = None
+        """The Python route's per-job driver calls (`cuda-bindings`), made at first use."""
         self._driver: CudaDriver | None = None
         self._functions: dict[str, int] = {}
         """The `CUfunction` of each kernel compiled so far, by name."""
@@ -204,7 +218,7 @@ class StagedGpuExecutor(Executor):
         self._tables: dict[Direction, list[_TableSlot]] = {}
         self._next_slot: dict[Direction, int] = {}
         self._constants: dict[Direction, tuple[Any, ...]] = {}
-        """Per direction, what no job changes, as `_native.stage_job` takes it
+        """Per direction, what no job changes, as the job code's `stage_job` takes it
         (`_job_constants`)."""
 
     # --- what a CUDA library provides ----------------------------------------------------------
@@ -241,11 +255,20 @@ class StagedGpuExecutor(Executor):
             self._driver = CudaDriver()
         return self._driver
 
-    def _thread_context(self) -> tuple[int, int]:
+    def _calls(self) -> DriverBindings:
+        """Return the Python route's per-job driver calls (through `cuda-bindings`)."""
+        if self._bindings is None:
+            self._bindings = DriverBindings()
+        return self._bindings
+
+    def _thread_context(self) -> tuple[Any, int]:
         """Return what a submission thread calls, once, to make the executor's CUDA context
-        current: the address of `cuCtxSetCurrent` and the context (read on the device)."""
+        current, and that context (read on the device): `cuCtxSetCurrent`, by address for the
+        compiled route, as a callable for the Python route."""
         cuda = self._cuda()
-        return cuda.set_context_address, cuda.current_context()
+        if self.route == "native":
+            return cuda.set_context_address, cuda.current_context()
+        return self._calls().set_context, cuda.current_context()
 
     def _new_stream(self, *, priority: int = 0) -> Any:
         """Return a new non-blocking stream of the executor's own on its device (current in
@@ -288,32 +311,38 @@ class StagedGpuExecutor(Executor):
         self._cuda().destroy(event)
 
     def _driver_calls(self) -> DriverCalls:
-        """Return how the compiled job code records events, makes streams wait and queues DMAs
-        (`DriverCalls`): here the driver's own functions, by address."""
-        cuda = self._cuda()
-        return (cuda.record_address, cuda.wait_address, cuda.memcpy_address)
+        """Return how the job code records events, makes streams wait and queues DMAs
+        (`DriverCalls`): the driver's own functions, by address for the compiled route, through
+        `cuda-bindings` for the Python route."""
+        if self.route == "native":
+            cuda = self._cuda()
+            return (cuda.record_address, cuda.wait_address, cuda.memcpy_address)
+        calls = self._calls()
+        return (calls.record, calls.wait, calls.copy)
 
     def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageKernel:
         """Return one job's launch of `kernels.STAGE_COPY_SOURCE` (`StageKernel`), gathering into
         staging when `to_stage` (else scattering from it), with the ref table at `refs` and the
-        block ids at `ids`: here the driver's `cuLaunchKernel`, called from the compiled job
-        code with the kernel's parameters in `STAGE_COPY_ARGUMENTS`' order."""
-        return (
-            self._cuda().launch_address,
-            self._function(STAGE_COPY_SOURCE, STAGE_COPY_NAME),
-            THREADS,
-            refs,
-            ids,
-            to_stage,
-            PIECE_BYTES,
+        block ids at `ids`: the driver's `cuLaunchKernel` with the kernel's parameters in
+        `STAGE_COPY_ARGUMENTS`' order, called from the compiled job code by address (a
+        `NativeLaunch`) or, for the Python route, through `cuda-bindings` (a `StageCopy`)."""
+        function = self._function(STAGE_COPY_SOURCE, STAGE_COPY_NAME)
+        if self.route == "native":
+            launch = self._cuda().launch_address
+            return (launch, function, THREADS, refs, ids, to_stage, PIECE_BYTES)
+        return self._calls().stage_copy(
+            function, THREADS, refs=refs, ids=ids, to_stage=to_stage, piece=PIECE_BYTES
         )
 
     def _table_copy(self) -> TableCopy:
-        """Return how the compiled job code copies a job's tables to the GPU (`TableCopy`; see
-        `_enqueue_staged`): here a launch of `kernels.TABLE_COPY_SOURCE`, its parameters in
-        `TABLE_COPY_ARGUMENTS`' order, one block per `THREADS` values, at most `copy_blocks`."""
+        """Return how the job code copies a job's tables to the GPU (`TableCopy`; see
+        `_enqueue_staged`): a launch of `kernels.TABLE_COPY_SOURCE`, its parameters in
+        `TABLE_COPY_ARGUMENTS`' order, one block per `THREADS` values, at most `copy_blocks`;
+        by address for the compiled route, through `cuda-bindings` for the Python route."""
         function = self._function(TABLE_COPY_SOURCE, TABLE_COPY_NAME)
-        return (self._cuda().launch_address, function, THREADS, self._copy_blocks)
+        if self.route == "native":
+            return (self._cuda().launch_address, function, THREADS, self._copy_blocks)
+        return self._calls().table_copy(function, THREADS, self._copy_blocks)
 
     def _function(self, source: str, name: str) -> int:
         """Return the `CUfunction` of kernel `name` as an integer (compiled on first use)."""
@@ -355,10 +384,10 @@ class StagedGpuExecutor(Executor):
     def _begin(self, direction: Direction, path: CopyPath) -> GpuJob:
         """Return a new job of `direction` whose first lane waits on compute and on the previous
         job, its start recorded there (for a path that queues its own work; the staged path's
-        `_native.queue_job` makes these calls itself)."""
+        the job code's `queue_job` makes these calls itself)."""
         self._drain()  # the thread's jobs first: these calls go to the same lanes
         job, previous = self._new_job(direction, path)
-        failed = _native.begin_job(
+        failed = self._code.begin_job(
             self._driver_calls(),
             self._lane_handles[direction],
             self._compute_stream_now(),
@@ -374,7 +403,7 @@ class StagedGpuExecutor(Executor):
         """Record the job's end on the lane of its last batch (batch k runs on lane k % 2; a job
         of no batch ends on the first), after the other lane's work when it has some; the next
         job of the direction waits for it."""
-        failed = _native.end_job(
+        failed = self._code.end_job(
             self._driver_calls(),
             self._lane_handles[direction],
             batches,
@@ -407,10 +436,10 @@ class StagedGpuExecutor(Executor):
 
         The common job (its rows one consecutive run, every group it moves filling its rows,
         and for a store whole chunks of unpadded pages) is planned, written to its table slot
-        and queued by one compiled call, `_native.stage_job`; any other takes
-        `_queue_planned`, the same steps in Python, which are that call's specification. Right
-        after a `wait()` the Python between those steps cost most of a 2048-block load's
-        submit, cold (docs/benchmark-history.md, eighth session).
+        and queued by one call of the job code, `stage_job`; any other takes `_queue_planned`,
+        the same steps one by one, which are that call's specification. Right after a `wait()`
+        the Python between those steps cost most of a 2048-block load's submit, cold, which is
+        why the compiled route makes them in one C call.
         """
         direction = bound.plan.direction
         k, slot = self._free_slot(direction)
@@ -438,19 +467,18 @@ class StagedGpuExecutor(Executor):
         first: int,
         compute: int,
     ) -> int:
-        """Plan `bound`, write its tables to the direction's free `slot` and queue it as `job`
-        from lane `first`, after `previous` (an end event, or None) and the work queued on raw
-        stream `compute`, in one compiled call
-        (`_native.stage_job`); return the job's batches, or -1, having written and queued
-        nothing, for a job that call does not cover (see `_enqueue_staged`) or one whose
-        tables do not fit the slot."""
+        """Plan `bound`, write its tables to the direction's free `slot` and queue it as `job` from
+        lane `first`, after `previous` (an end event, or None) and the work queued on raw stream
+        `compute`, in one call of the job code (`stage_job`); return the job's batches, or -1,
+        having written and queued nothing, for a job that call does not cover (see
+        `_enqueue_staged`) or one whose tables do not fit the slot."""
         direction = bound.plan.direction
         plan = bound.plan
         submitter = self._submitter_now()
         ready = None
         if submitter is not None:  # the job's own: see GpuJob.ready
             ready = self._spare_ready.pop() if self._spare_ready else self._new_event()
-        batches, failed = _native.stage_job(
+        batches, failed = self._code.stage_job(
             self._constants.get(direction) or self._job_constants(direction),
             first,
             compute,
@@ -478,11 +506,11 @@ class StagedGpuExecutor(Executor):
         self, bound: BoundPlan, k: int, job: GpuJob, previous: Any, *, first: int, compute: int
     ) -> tuple[_TableSlot, int]:
         """Plan `bound` (`StagePlanner.plan`), write its tables to the direction's free slot `k`
-        (`_write_tables`) and queue it as `job` from lane `first` (`_native.queue_job`), after
-        `previous` (an end event, or None) and the work queued on raw stream `compute`; return
-        the slot and the job's batches. What
-        `_native.stage_job` does in one call for the common job, step by step, for every job
-        (on the submitting thread, after the submission thread's jobs)."""
+        (`_write_tables`) and queue it as `job` from lane `first` (the job code's `queue_job`),
+        after `previous` (an end event, or None) and the work queued on raw stream `compute`;
+        return the slot and the job's batches. What `stage_job` does in one call for the common
+        job, step by step, for every job (on the submitting thread, after the submission
+        thread's jobs)."""
         self._drain()
         direction = bound.plan.direction
         plan = self._planner.plan(bound)
@@ -495,7 +523,7 @@ class StagedGpuExecutor(Executor):
         lanes, stages = self._lane_handles[direction], self._stages(direction)
         if first:
             lanes, stages = (lanes[1], lanes[0]), (stages[1], stages[0])
-        failed = _native.queue_job(
+        failed = self._code.queue_job(
             self._driver_calls(),
             lanes,
             compute,
@@ -530,7 +558,7 @@ class StagedGpuExecutor(Executor):
         return slot, len(plan)
 
     def _job_constants(self, direction: Direction) -> tuple[Any, ...]:
-        """Return (and keep) what `_native.stage_job` needs of the direction that no job
+        """Return (and keep) what the job code's `stage_job` needs of the direction that no job
         changes: the driver calls, lanes, staging halves, the direction's events, the table
         copy, the tier, the kernel's block limits and the planner's layout constants
         (`StagePlanner.job_constants`). Built at the direction's first staged job, so the
@@ -636,11 +664,11 @@ class StagedGpuExecutor(Executor):
 
     # --- the submission thread -----------------------------------------------------------------
 
-    def _submitter_now(self) -> _native.Submitter | None:
+    def _submitter_now(self) -> Submitter | None:
         """Return the submission thread (started now, on the device, at the first call), or
         None without `submit_thread`."""
         if self._submitter is None and self._submit_thread:
-            self._submitter = _native.Submitter(*self._thread_context())
+            self._submitter = self._code.Submitter(*self._thread_context())
         return self._submitter
 
     def _drain(self) -> None:
@@ -714,6 +742,7 @@ class _TableSlot:
     kernel: StageKernel
     """The staging kernel of the slot's jobs, which read their tables there (`_stage_kernel`)."""
     job_tables: tuple[IdArray, int, int, StageKernel]
-    """`(view, address, tables_address, kernel)`, as `_native.stage_job` takes the slot."""
+    """`(view, address, tables_address, kernel)`, as the job code's `stage_job` takes the
+    slot."""
     job: GpuJob | None = None
     """The last job that read it, until the host knows that job ended."""

@@ -1,13 +1,13 @@
 """Splitting a transfer into batches that pass through a bounded GPU staging buffer.
 
-numpy, and compiled loops (`_native`) for the arithmetic per batch and slice; O(keys) per job in
-one pass, and it never lists a page. A batch is a run of consecutive keys whose CPU rows fit in
-the buffer, laid out there exactly as in the tier, so its link copies are one DMA per contiguous
-range of rows. The on-GPU side of a batch is a few lines of a *slice table* (one line per group in
-the batch), read with the layout's *ref table* (one line per ref, built once): from the two the
-copy kernel (`kernels.STAGE_COPY_SOURCE`) computes every page address itself. `segment_copies`
-is the same arithmetic in numpy, the kernel's specification and its stand-in on machines without
-a GPU.
+numpy, and the job code's loops (`executors.jobcode`: compiled, or Python) for the arithmetic per
+batch and slice; O(keys) per job in one pass, and it never lists a page. A batch is a run of
+consecutive keys whose CPU rows fit in the buffer, laid out there exactly as in the tier, so its
+link copies are one DMA per contiguous range of rows. The on-GPU side of a batch is a few lines of a
+*slice table* (one line per group in the batch), read with the layout's *ref table* (one line per
+ref, built once): from the two the copy kernel (`kernels.STAGE_COPY_SOURCE`) computes every page
+address itself. `segment_copies` is the same arithmetic in numpy, the kernel's specification and its
+stand-in on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList
 from kvferry.core.layout import KVLayout
 from kvferry.core.plan import Direction, chunks_spanned
-from kvferry.executors import _native
+from kvferry.executors.jobcode import JobCode, job_code
 
 REF_FIELDS = (
     "gpu_base",
@@ -159,7 +159,10 @@ class StagePlanner:
         piece_bytes: int,
         tier_piece_bytes: int = 0,
         ramp_bytes: int = 8 << 20,
+        code: JobCode | None = None,
     ) -> None:
+        self._code = job_code() if code is None else code
+        """The job code whose loops plan (`executors.jobcode`; its default route when None)."""
         if capacity < layout.row_bytes:
             raise InvalidInputError(
                 field="staging_bytes",
@@ -217,9 +220,9 @@ class StagePlanner:
                 (*refs[:4], self._sizes[g], self._dense[g]) for g, refs in enumerate(self._refs_of)
             ),
         )
-        """What `_native.stage_job` plans with: staging capacity, ramp bytes, blocks per chunk,
-        row bytes, rows per registered piece of the tier (0: one piece), the ref table's int64
-        count, and per layout group its first ref, refs, pieces and bytes per page, row bytes,
+        """What the job code's `stage_job` plans with: staging capacity, ramp bytes, blocks per
+        chunk, row bytes, rows per registered piece of the tier (0: one piece), the ref table's
+        int64 count, and per layout group its first ref, refs, pieces and bytes per page, row bytes,
         and whether its pages are unpadded."""
 
     def plan(self, bound: BoundPlan) -> StagePlan:
@@ -236,12 +239,12 @@ class StagePlanner:
         padded pages), so the tier keeps every byte the plan does not name. No link copy crosses
         a multiple of `tier_piece_bytes` in the tier.
 
-        Work per job: compiled loops over batches and slices (`_native`), numpy over link
-        copies where the rows are not one run; the keys themselves are touched by one pass.
+        Work per job: the job code's loops over batches and slices, numpy over link copies
+        where the rows are not one run; the keys themselves are touched by one pass.
         """
         groups = self._groups(bound)
         direction = bound.plan.direction
-        table_bytes, line_bytes, line_bounds, stage_bytes, items, nbytes = _native.slice_batches(
+        table_bytes, line_bytes, line_bounds, stage_bytes, items, nbytes = self._code.slice_batches(
             groups,
             direction is Direction.STORE,
             self._capacity,
@@ -291,7 +294,7 @@ class StagePlanner:
     ) -> tuple[_Columns, tuple[int, ...]]:
         """Return the job's merged link copies, as (src, dst, size) offsets batch after batch
         (stage -> tier for a store, tier -> stage for a load), and the bounds of each batch's.
-        `lines` are the job's slices as `_native.slice_batches` returns them (int64,
+        `lines` are the job's slices as the job code's `slice_batches` returns them (int64,
         `_SLICE_LINE_WIDTH` columns: batch, group, first key, keys, stage offset).
 
         A copy is a run of keys of one slice whose rows are consecutive (and, in the tier,
@@ -302,11 +305,11 @@ class StagePlanner:
             return ((), (), ()), (0,) * (n_batches + 1)
         exact = self._exact_keys(direction, groups)
         whole_rows = self._whole_rows or all(group.size == self._row_bytes for group in groups)
-        if not len(exact) and whole_rows and _native.consecutive(rows):
+        if not len(exact) and whole_rows and self._code.consecutive(rows):
             # one copy per slice, cut only at the tier's registration boundaries (the common job)
             per_piece = self._tier_piece_bytes // self._row_bytes
             first_keys = [group.key0 for group in groups]
-            run_src, run_dst, run_size, run_bounds = _native.run_copies(
+            run_src, run_dst, run_size, run_bounds = self._code.run_copies(
                 lines,
                 first_keys,
                 n_batches,
@@ -411,7 +414,7 @@ class _GroupRefs(NamedTuple):
 class _Group(NamedTuple):
     """A group the plan moves: its ref-table lines and page costs (as `_GroupRefs`), then its
     blocks, skip, keys, first key and first id, key bytes, and its number in the layout. The
-    compiled slicer (`_native.slice_batches`) reads the fields before `g`, in this order."""
+    job code's slicer (`slice_batches`) reads the fields before `g`, in this order."""
 
     first_ref: int
     refs: int
@@ -430,8 +433,8 @@ _NO_KEYS = np.zeros(0, np.int64)
 _NO_KEYS.setflags(write=False)
 
 _SLICE_LINE_WIDTH = 5
-"""Columns of a job's slice list (`_native.slice_batches`): the batch, the group (an index into
-the job's groups, not the layout's group number), the slice's first key counted in its group,
+"""Columns of a job's slice list (the job code's `slice_batches`): the batch, the group (an index
+into the job's groups, not the layout's group number), the slice's first key counted in its group,
 its key count, and the offset of its first key in the batch's staging."""
 
 

@@ -35,7 +35,8 @@ def load_torch() -> Any:
         return importlib.import_module("torch")
     except ImportError as error:
         raise ExecutorUnavailableError(
-            f"the torch executor needs torch: pip install 'kvferry[torch]' ({error})"
+            "the torch executor needs torch: pip install -e '.[torch]' in a checkout of"
+            f" kvferry ({error})"
         ) from error
 
 
@@ -75,7 +76,8 @@ class TorchExecutor(StagedGpuExecutor):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,
         kernel_priority: int = 0,
-        submit_thread: bool = False,
+        submit_thread: bool = True,
+        route: str | None = None,
     ) -> None:
         torch = load_torch()
         if not torch.cuda.is_available():
@@ -92,6 +94,7 @@ class TorchExecutor(StagedGpuExecutor):
             copy_blocks=copy_blocks,
             kernel_priority=kernel_priority,
             submit_thread=submit_thread,
+            route=route,
         )
         self._compute_stream = compute_stream
 

@@ -109,10 +109,16 @@ def test_staging_bytes_become_an_executor_option() -> None:
     assert KvferryConfig().executor_options() == {}
 
 
-def test_a_submission_thread_becomes_an_executor_option_only_when_asked_for() -> None:
-    config = KvferryConfig.from_env({"KVFERRY_SUBMIT_THREAD": "1"})
-    assert config.executor_options() == {"submit_thread": True}
-    assert KvferryConfig.from_mapping({"submit_thread": False}).executor_options() == {}
+def test_the_submission_thread_becomes_an_executor_option_only_when_turned_off() -> None:
+    config = KvferryConfig.from_env({"KVFERRY_SUBMIT_THREAD": "0"})
+    assert config.executor_options() == {"submit_thread": False}
+    assert KvferryConfig.from_mapping({"submit_thread": True}).executor_options() == {}
+
+
+def test_kvferry_no_native_puts_the_executors_on_the_python_route() -> None:
+    config = KvferryConfig.from_env({"KVFERRY_NO_NATIVE": "1"})
+    assert config.executor_options() == {"route": "python"}
+    assert KvferryConfig().executor_options() == {}
 
 
 # -- errors name the key and the allowed values ---------------------------------------------------

@@ -93,7 +93,7 @@ LAYOUT_CASES: dict[str, list[list[TensorSpec]]] = {
         _mamba_pair(),
     ],
 }
-"""Every `TensorLayout`, odd page sizes and a hybrid model, as tensors of a small model."""
+"""Every layout kvferry supports, as tensors of a small model."""
 
 
 class Backend:

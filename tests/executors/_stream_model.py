@@ -11,7 +11,7 @@ the copies still happen, at once, in call order) whose CUDA primitives also log 
   True) makes every op queued afterwards, on any stream, happen after what the host waited for,
   and so does a host write (the host queues nothing before it has written).
 
-The host writes a job's tables into a pinned table slot (compiled in `_native.stage_job`, or in
+The host writes a job's tables into a pinned table slot (in the job code's `stage_job`, or in
 `_write_tables`) before the job's first driver call, where the model logs that write; they are
 then copied to the slot's own GPU buffer of tables (a table-copy kernel on the job's first lane,
 an UPLOAD op that reads the slot and writes the device tables), and the job's kernels read them

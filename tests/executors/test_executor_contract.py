@@ -20,6 +20,8 @@ from _harness import (
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.plan import Direction, chunks_spanned
 
+pytestmark = pytest.mark.usefixtures("route")
+
 EXECUTORS = [
     "cpu",
     "torch-on-cpu",

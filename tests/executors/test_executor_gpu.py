@@ -21,7 +21,7 @@ from _harness import (
 from kvferry.core.plan import Direction
 from kvferry.executors import CopyPath
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("route")]
 
 GPU_EXECUTORS = ["torch", "cupy"]
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of a spinning kernel queued ahead on the compute stream

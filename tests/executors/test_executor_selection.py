@@ -39,14 +39,16 @@ def test_an_unknown_name_suggests_the_closest_one() -> None:
         executor_class("troch")
 
 
-def test_a_missing_backend_names_the_pip_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_backend_names_the_checkout_install_of_its_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     real = importlib.util.find_spec
 
     def find_spec(name: str, *args: Any) -> Any:
         return None if name == "torch" else real(name, *args)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    with pytest.raises(ExecutorUnavailableError, match=r"kvferry\[torch\]"):
+    with pytest.raises(ExecutorUnavailableError, match=r"pip install -e '\.\[torch\]'"):
         executor_class("torch")
 
 

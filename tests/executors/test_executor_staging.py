@@ -35,6 +35,8 @@ from kvferry.executors.staging import (
     segment_copies,
 )
 
+pytestmark = pytest.mark.usefixtures("route")
+
 
 def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
     for s, d, n in zip(

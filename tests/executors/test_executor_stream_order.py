@@ -38,6 +38,7 @@ from kvferry.executors import register_executor
 from kvferry.executors.staged import TABLE_SLOTS
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("route")
 
 NAME = "stream-order-model"
 CASES = ("mla", "hybrid_three_groups")
@@ -84,7 +85,8 @@ def _submits(
     draw: st.DrawFn, case: str, f: int, rows_per_half: int, directions: tuple[Direction, ...]
 ) -> Submit:
     direction = draw(st.sampled_from(directions))
-    # rows in one run (the jobs `_native.stage_job` plans itself) or shuffled (the Python path)
+    # rows in one run (the jobs the job code's `stage_job` plans itself) or shuffled (the
+    # step-by-step path)
     if draw(st.booleans()):
         free = iter(range(draw(st.integers(0, NUM_ROWS - 1)), NUM_ROWS))
     else:

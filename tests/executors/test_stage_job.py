@@ -1,9 +1,9 @@
-"""The compiled plan-and-queue of a staged job (`_native.stage_job`, through
-`StagedGpuExecutor._queue_compiled`) makes the driver calls, and writes the table slot, that its
-Python specification (`_queue_planned`: the stage planner, the slot write, `_native.queue_job`)
-makes and writes for the same job, from the same state; it covers exactly the common job (rows
-one consecutive run, every moved group filling its rows, a store's chunks whole and its pages
-unpadded, tables that fit the slot) and, for any other, writes and queues nothing."""
+"""The one-call plan-and-queue of a staged job (the job code's `stage_job`, through
+`StagedGpuExecutor._queue_compiled`), on each route, makes the driver calls, and writes the table
+slot, that its step-by-step specification (`_queue_planned`: the stage planner, the slot write,
+`queue_job`) makes and writes for the same job, from the same state; it covers exactly the common
+job (rows one consecutive run, every moved group filling its rows, a store's chunks whole and its
+pages unpadded, tables that fit the slot) and, for any other, writes and queues nothing."""
 
 from __future__ import annotations
 
@@ -21,11 +21,13 @@ from kvferry.core.bound import BoundPlan
 from kvferry.core.plan import Direction, chunks_spanned
 from kvferry.executors import register_executor
 from kvferry.executors.base import CopyPath
+from kvferry.executors.jobcode import default_route
 from kvferry.executors.kernels import PIECE_BYTES
 from kvferry.executors.staged import GpuJob, StagedGpuExecutor
 from kvferry.executors.staging import StagePlanner
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("route")
 
 NAME = "recording-staged"
 COMPUTE = 5
@@ -61,12 +63,20 @@ class RecordingExecutor(TorchOnCpuExecutor):
         self.calls.append(("kernel", args, tuple(sorted(kwargs.items()))))
 
 
-@functools.cache
 def _executor(case: str, f: int, rows_per_half: int) -> RecordingExecutor:
+    """Return the recording executor of the layout `case` on this run's route (made once)."""
+    return _made(case, f, rows_per_half, default_route())
+
+
+@functools.cache
+def _made(case: str, f: int, rows_per_half: int, route: str) -> RecordingExecutor:
     register_executor(NAME, "test_stage_job:RecordingExecutor")
-    row_bytes = Model(TorchBackend(NAME, device="cpu"), LAYOUT_CASES[case], f).executor
+    backend = TorchBackend(NAME, device="cpu")
+    row_bytes = Model(backend, LAYOUT_CASES[case], f, route=route).executor
     staging = 2 * rows_per_half * row_bytes.layout.row_bytes
-    model = Model(TorchBackend(NAME, device="cpu"), LAYOUT_CASES[case], f, staging_bytes=staging)
+    model = Model(  # the calls on this thread, for the test to read at once
+        backend, LAYOUT_CASES[case], f, staging_bytes=staging, route=route, submit_thread=False
+    )
     assert isinstance(model.executor, RecordingExecutor)
     return model.executor
 
@@ -158,6 +168,7 @@ def _with_tier_pieces(executor: RecordingExecutor, piece_rows: int) -> None:
         capacity=executor._half_bytes,
         piece_bytes=PIECE_BYTES,
         tier_piece_bytes=piece_rows * layout.row_bytes,
+        code=executor._code,
     )
     executor._constants.clear()
 

@@ -1,7 +1,7 @@
-"""With `submit_thread`, a staged executor's own thread makes its common jobs' driver calls
-(`_native.Submitter`): the same calls, in the same order, as the submitting thread would make;
-nothing asks a job's events before the thread has made its calls; and every job still moves its
-bytes exactly."""
+"""With `submit_thread`, a staged executor's own thread makes its common jobs' driver calls (the
+route's `Submitter`, on either route): the same calls, in the same order, as the submitting thread
+would make; nothing asks a job's events before the thread has made its calls; and every job still
+moves its bytes exactly."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _driver_types import LAUNCH, MEMCPY, RECORD, SET_CONTEXT, WAIT, address
+from _driver_types import LAUNCH, MEMCPY, RECORD, SET_CONTEXT, WAIT, Bindings, address
 from _harness import (
     LAYOUT_CASES,
     NUM_BLOCKS,
@@ -29,12 +29,14 @@ from _torch_on_cpu import TorchOnCpuExecutor
 from test_stage_job import covered
 
 from kvferry.core.plan import Direction
-from kvferry.executors import _native, register_executor
+from kvferry.executors import register_executor
 from kvferry.executors.base import CopyPath
-from kvferry.executors.kernels import PIECE_BYTES, THREADS
-from kvferry.executors.staged import TABLE_SLOTS, StagedGpuExecutor, StageKernel, TableCopy
+from kvferry.executors.driver import DriverBindings
+from kvferry.executors.jobcode import JobCode, job_code, native_available
+from kvferry.executors.staged import TABLE_SLOTS, StagedGpuExecutor
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("route")
 
 EXECUTORS = [
     "torch-on-cpu",
@@ -139,18 +141,33 @@ def test_jobs_of_one_direction_submitted_back_to_back_land_in_submission_order(n
         executor.close()
 
 
-# --- the calls, through driver addresses (ctypes callbacks standing in for libcuda) -----------
+# --- the calls, through the driver (ctypes callbacks or a cuda-bindings stand-in) --------------
 
 STAGE_FUNCTION, TABLE_FUNCTION, CONTEXT = 0xF00, 0x7AB, 0xC0
 COMPUTE = 5
 """The raw compute stream of every job."""
 
 
+class _Addresses:
+    """Stands in for `CudaDriver` where the compiled route reads the driver's addresses: here
+    ctypes callbacks."""
+
+    def __init__(self, callbacks: tuple[Any, ...]) -> None:
+        record, wait, memcpy, launch, set_context = (address(c) for c in callbacks)
+        self.record_address, self.wait_address, self.memcpy_address = record, wait, memcpy
+        self.launch_address, self.set_context_address = launch, set_context
+
+    def current_context(self) -> int:
+        return CONTEXT
+
+
 class DriverRecorder(TorchOnCpuExecutor):
-    """The torch executor on CPU whose staged jobs call the driver by address, as on a GPU: each
-    call is only listed in `calls` with the thread that made it (nothing is copied); events are
-    integers and streams are told apart. `fail_copies` makes that many DMAs fail with status 1,
-    and `gate`, when cleared, holds every DMA until it is set."""
+    """The torch executor on CPU whose staged jobs call the driver as on a GPU, by the
+    executor's own route-dependent code: by address (the compiled route) or through
+    `DriverBindings` (the Python route), both reaching the same recorders. Each call is only
+    listed in `calls` with the thread that made it (nothing is copied); events are integers and
+    streams are told apart. `fail_copies` makes that many DMAs fail with status 1, and `gate`,
+    when cleared, holds every DMA until it is set."""
 
     name = "driver-recorder"
 
@@ -169,6 +186,15 @@ class DriverRecorder(TorchOnCpuExecutor):
             MEMCPY(self._on_copy),
             LAUNCH(self._on_launch),
             SET_CONTEXT(self._on_set_context),
+        )
+        self._bindings_stand_in = DriverBindings(
+            Bindings(
+                record=self._on_record,
+                wait=self._on_wait,
+                memcpy=self._on_copy,
+                launch=self._on_launch,
+                set_context=self._on_set_context,
+            )
         )
         super().__init__(**options)
 
@@ -218,25 +244,20 @@ class DriverRecorder(TorchOnCpuExecutor):
     def _new_event(self, *, timing: bool = False) -> Any:
         return next(self._events)
 
-    def _driver_calls(self) -> Any:
-        return tuple(address(c) for c in self._callbacks[:3])
+    def _cuda(self) -> Any:
+        return _Addresses(self._callbacks)
 
-    def _stage_kernel(self, *, refs: int, ids: int, to_stage: bool) -> StageKernel:
-        return (
-            address(self._callbacks[3]),
-            STAGE_FUNCTION,
-            THREADS,
-            refs,
-            ids,
-            to_stage,
-            PIECE_BYTES,
-        )
+    def _calls(self) -> DriverBindings:
+        return self._bindings_stand_in
 
-    def _table_copy(self) -> TableCopy:
-        return (address(self._callbacks[3]), TABLE_FUNCTION, THREADS, 4)
+    def _function(self, source: str, name: str) -> int:
+        return STAGE_FUNCTION if "stage" in name else TABLE_FUNCTION
 
-    def _thread_context(self) -> tuple[int, int]:
-        return address(self._callbacks[4]), CONTEXT
+    # the staged executor's own forms of the driver calls, not the CPU doubles' callables
+    _driver_calls = StagedGpuExecutor._driver_calls
+    _stage_kernel = StagedGpuExecutor._stage_kernel
+    _table_copy = StagedGpuExecutor._table_copy
+    _thread_context = StagedGpuExecutor._thread_context
 
 
 def _recorder(*, submit_thread: bool, rows_per_half: int = 2) -> DriverRecorder:
@@ -430,8 +451,8 @@ def test_a_job_on_another_path_begins_after_the_threads_jobs() -> None:
     executor.close()
 
 
-def test_a_new_submitter_has_handed_nothing_over_and_drains_at_once() -> None:
-    submitter = _native.Submitter()
+def test_a_new_submitter_has_handed_nothing_over_and_drains_at_once(jobs: JobCode) -> None:
+    submitter = jobs.Submitter()
     assert submitter.pushed == 0 and submitter.finished(0)
     submitter.drain()
     assert submitter.failure(1) is None
@@ -439,8 +460,11 @@ def test_a_new_submitter_has_handed_nothing_over_and_drains_at_once() -> None:
     submitter.close()  # closing again does nothing
 
 
-def test_a_submitter_is_started_once() -> None:
-    submitter = _native.Submitter()
+@pytest.mark.skipif(
+    not native_available(), reason="the compiled module kvferry.executors._native is not built here"
+)
+def test_a_compiled_submitter_is_started_once() -> None:
+    submitter: Any = job_code("native").Submitter()
     with pytest.raises(RuntimeError, match="initialised once"):
         submitter.__init__()  # type: ignore[misc]
     submitter.close()
