@@ -101,6 +101,10 @@ class Engine:
     hash_block_size: int
     requests: dict[str, Request] = field(default_factory=dict)
     checked_positions: int = 0
+    history: list[Any] = field(default_factory=list)
+    """Every step's scheduler output."""
+    outputs: list[Any] = field(default_factory=list)
+    """Every step's engine-core outputs (what `update_from_output` returned)."""
     on_forward: Callable[[Engine, Any], None] | None = None
 
     @property
@@ -158,8 +162,41 @@ class Engine:
             sampled_token_ids=sampled,
             kv_connector_output=kv_output,
         )
-        self.scheduler.update_from_output(output, runner_output)
+        self.history.append(output)
+        self.outputs.append(self.scheduler.update_from_output(output, runner_output))
         return output
+
+    def wrap_executor(self, wrap: Callable[[Any], Any]) -> Any:
+        """Replace the worker's executor by `wrap(executor)` (a fault or delay wrapper)."""
+        side = self.worker.worker_side
+        side._executor = wrap(side.executor)
+        return side._executor
+
+    def evict_gpu(self) -> None:
+        """Empty vLLM's GPU prefix cache and zero the KV memory, so that a later hit can only
+        come from the CPU tier (and stale bytes cannot pass a check)."""
+        assert self.scheduler.reset_prefix_cache()
+        for view in self.kv_caches.values():
+            view.view(torch.uint8).zero_()
+
+    def scheduled_at(self, rid: str) -> list[tuple[int, int]]:
+        """Return (num_computed_tokens, num_scheduled_tokens) of every step that ran `rid`."""
+        return [
+            (computed, count)
+            for output in self.history
+            for r, computed, count in self._scheduled(output)
+            if r == rid
+        ]
+
+    def finish_reasons(self) -> dict[str, Any]:
+        """Return each finished request's finish reason."""
+        reasons = {}
+        for outputs in self.outputs:
+            for client in outputs.values():
+                for out in client.outputs:
+                    if out.finish_reason is not None:
+                        reasons[out.request_id] = out.finish_reason
+        return reasons
 
     def run(self, limit: int = 200) -> int:
         """Step until no request is left and no transfer is pending; return the steps."""
@@ -248,6 +285,65 @@ class Engine:
         return view.view(torch.uint8)[kernel_block, :, slot, :]
 
 
+class DelayedExecutor:
+    """Wraps an executor and keeps the results of the jobs `hold` picks until `release()`
+    (a store whose completion is late); `wait` releases what it waits for."""
+
+    def __init__(self, inner: Any, hold: Callable[[Any], bool]) -> None:
+        self.inner = inner
+        self._hold = hold
+        self._held: set[int] = set()
+        self._kept: list[Any] = []
+        self.layout = inner.layout
+        self.host_tier = inner.host_tier
+
+    def submit(self, bound: Any) -> int:
+        """Submit to the wrapped executor; remember the job if it is held."""
+        if self._hold(bound):
+            self._held.add(bound.job_id)
+        return int(self.inner.submit(bound))
+
+    def poll(self) -> list[Any]:
+        """Return ended jobs, keeping back the held ones."""
+        ended = [*self._kept, *self.inner.poll()]
+        self._kept = [r for r in ended if r.job_id in self._held]
+        return [r for r in ended if r.job_id not in self._held]
+
+    def wait(self, job_ids: Any) -> list[Any]:
+        """Return the jobs asked for, held ones too (waiting ends a delay)."""
+        ids = list(job_ids)
+        self._held -= set(ids)
+        kept = {r.job_id: r for r in self._kept if r.job_id in ids}
+        self._kept = [r for r in self._kept if r.job_id not in ids]
+        rest = [i for i in ids if i not in kept]
+        ended = {r.job_id: r for r in self.inner.wait(rest)}
+        return [kept.get(i) or ended[i] for i in ids]
+
+    def release(self) -> None:
+        """Let every held job report."""
+        self._held.clear()
+
+    def close(self) -> list[Any]:
+        """Close the wrapped executor, reporting what it still had."""
+        self._held.clear()
+        kept, self._kept = self._kept, []
+        return [*kept, *self.inner.close()]
+
+
+class EventRecorder:
+    """Stands in for vLLM's KV-event publisher and keeps every event published."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        """Keep the batch's events."""
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+
 def prefix_digests(tokens: Sequence[int]) -> list[int]:
     """Return, per position, a number that depends on every token up to it."""
     digests, value = [], 17
@@ -297,6 +393,9 @@ def build_engine(
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
     )
+    # vLLM turns its hybrid allocator off on a CPU platform; the engine under test is the
+    # GPU one, where it is on (one group per kind, sliding-window blocks freed as they pass).
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     cache_config.kv_cache_layout = layout
     groups = get_global_kv_cache_groups(vllm_config, [specs])
     page = sum(spec.page_size_bytes for spec in specs.values())
