@@ -397,7 +397,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         _, hits = coordinator.find_longest_cache_hit_per_group(
             request.block_hashes, request.num_tokens - 1
         )
-        bound = min(hits[gid] for gid in left_alone)
+        bound = int(min(hits[gid] for gid in left_alone))
         return max(0, bound - num_computed_tokens)
 
     # -- worker side ------------------------------------------------------------------------------

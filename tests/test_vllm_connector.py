@@ -17,7 +17,11 @@ import torch  # noqa: E402
 from vllm.distributed.kv_events import BlockStored  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm_rig import (  # noqa: E402
     DelayedExecutor,
     Engine,
@@ -207,3 +211,24 @@ def test_kv_events_name_every_stored_block_with_its_parent(model_config: Any) ->
     assert [e.block_hashes for e in stored] == [[h] for h in hashes[:4]]
     assert [e.parent_block_hash for e in stored] == [None, *hashes[:3]]
     assert stored[1].token_ids == PROMPT[16:32]
+
+
+def test_a_group_of_a_kind_kvferry_does_not_know_is_left_alone(
+    model_config: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    specs = full_attention(layers=1)
+    specs["model.layers.1.self_attn.attn"] = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16, attention_chunk_size=32
+    )
+    with caplog.at_level("WARNING"):
+        engine = build_engine(model_config, specs, kvferry())
+    session = engine.connector.scheduler_side.session
+    assert [g.kind for g in session.config.groups] == [GroupKind.FULL_ATTENTION]
+    assert "ChunkedLocalAttentionSpec" in caplog.text
+    serve_then_reload(engine, tail=[7, 8, 9])
+    # Nothing refills the chunked-local group: a hit stops where vLLM's prefix cache says that
+    # group needs nothing more, here the 32-token chunk boundary at 64 (its earlier chunks are
+    # never read again); the full-attention group's 64 tokens come from the tier.
+    assert engine.scheduled_at("b")[0][0] == 64
+    assert session.counters().hits == 4
+    assert engine.finish_reasons()["b"] == FinishReason.LENGTH

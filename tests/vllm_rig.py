@@ -244,7 +244,10 @@ class Engine:
         for gid, group in enumerate(self.worker_config.kv_cache_groups):
             spec = group.kv_cache_spec
             window = getattr(spec, "sliding_window", None)
+            chunk = getattr(spec, "attention_chunk_size", None)
             first = 0 if window is None else max(0, computed - window + 1)
+            if chunk is not None:  # chunked local attention reads its own chunk only
+                first = computed - computed % chunk
             size, kernel = spec.block_size, self.kernel_block_sizes[gid]
             for p in range(first, computed):
                 block = tables[gid][p // size]
