@@ -240,20 +240,22 @@ def _tier(draw: st.DrawFn, state: RequestState, mix: Mix, free_rows: int | None)
 
 @st.composite
 def lookup_cases(
-    draw: st.DrawFn, *, mix: Mix | None = None, engine_aligned: bool = False
+    draw: st.DrawFn, *, mix: Mix | None = None, gainful: bool = False, aligned: bool = False
 ) -> LookupCase:
     """Return a request of random length, GPU prefix and tier contents (from `mix`, or
     from one of LOOKUP_MIXES).
 
-    `num_computed_tokens` is any value in `[0, num_tokens]`, unless `engine_aligned`: then it
-    is a multiple of every group's block size (what an engine's GPU prefix cache reports) and
-    leaves more than a chunk of every group to gain, so that a lookup can find something.
+    `num_computed_tokens` is any value in `[0, num_tokens]`, unless `gainful`: then it leaves
+    more than a chunk of every group to gain, so that a lookup can find something, and with
+    `aligned` it is also a multiple of every group's block size (what an engine's GPU prefix
+    cache reports); without `aligned` it may end inside a block (an engine that keeps a
+    request's partly filled blocks, or whose groups' block sizes differ).
     """
     config = draw(configs())
     largest = max(chunk_sizes(config))
-    if engine_aligned:
+    if gainful:
         num_tokens = _between(draw, largest + 1, 5 * largest, from_high=True)
-        unit = math.lcm(*(spec.block_size for spec in config.groups))
+        unit = math.lcm(*(spec.block_size for spec in config.groups)) if aligned else 1
         # Long GPU prefixes likelier: windows then reach below them (blocks the load skips).
         nc = unit * _between(draw, 0, (num_tokens - largest - 1) // unit, from_high=True)
     else:  # any prefix, short ones likelier (a long one leaves nothing to gain)
@@ -311,10 +313,12 @@ def engine_blocks(
     """Return per-group block tables as an engine builds them.
 
     Group `g` has `ceil(alloc_tokens[g] / T_g)` blocks: a null prefix (what the group no longer
-    needs at `null_at` computed tokens), then the blocks below `num_computed_tokens`, then fresh
-    blocks. Below the computed prefix, full-attention blocks are GPU prefix-cache hits; those of
-    a windowed group are too, unless `own_window`: then they are real blocks the request
-    computed itself (it was preempted and resumed, say), neither cached nor to be filled.
+    needs at `null_at` computed tokens), then the blocks wholly below `num_computed_tokens`,
+    then fresh blocks (a block the computed prefix ends inside is fresh too: the request's own,
+    partly computed). Below the computed prefix, full-attention blocks are GPU prefix-cache
+    hits; those of a windowed group are too, unless `own_window`: then they are real blocks the
+    request computed itself (it was preempted and resumed, say), neither cached nor to be
+    filled.
     Real blocks take distinct ids from `ids`; null blocks share id 0.
     """
     out = []
@@ -334,11 +338,13 @@ def engine_blocks(
 def load_cases(draw: st.DrawFn) -> LoadCase:
     """Return a request after its lookup: the engine allocated blocks for the accepted hit.
 
-    Only lookups that found tokens make a case. The GPU prefix is engine-aligned; blocks are
-    allocated for the hit plus some of the tokens still to compute, with nulls below each
-    window at the new boundary (as an engine does when it counts loaded tokens as computed).
+    Only lookups that found tokens make a case. The GPU prefix is a multiple of every block
+    size in half the cases and ends anywhere in the others (then the block holding it is the
+    request's own, partly computed); blocks are allocated for the hit plus some of the tokens
+    still to compute, with nulls below each window at the new boundary (as an engine does when
+    it counts loaded tokens as computed).
     """
-    case = draw(lookup_cases(mix=LOAD_MIX, engine_aligned=True))
+    case = draw(lookup_cases(mix=LOAD_MIX, gainful=True, aligned=draw(st.booleans())))
     found = lookup(
         case.config,
         case.state,

@@ -358,6 +358,37 @@ def test_load_fills_exactly_the_fresh_blocks_of_the_hit(case: LoadCase) -> None:
         assert plan.gpu_ids_of(g).tolist() == [int(blocks.ids[i]) for i in fresh]
 
 
+def needed_tokens(config: OffloadConfig, group: int, boundary: int) -> range:
+    """Return the tokens `group` must hold to compute from token `boundary` on (the documented
+    rule, written here independently of core): every earlier token for full attention, the
+    `w - 1` before it for a sliding window of `w`, the state after token `boundary - 1` (held
+    with that token's block) for Mamba."""
+    spec = config.groups[group]
+    if spec.kind is GroupKind.SLIDING_WINDOW:
+        assert spec.sliding_window is not None
+        return range(max(0, boundary - spec.sliding_window), boundary)
+    if spec.kind is GroupKind.MAMBA:
+        return range(max(0, boundary - 1), boundary)
+    return range(boundary)
+
+
+@given(load_cases())
+def test_load_leaves_no_needed_token_unfilled(case: LoadCase) -> None:
+    # Every token below the hit that a group needs is on the GPU already (below the computed
+    # prefix: in a cached block or the request's own) or in a block the plan fills; the block
+    # a GPU prefix ends inside holds tokens on both sides, so the plan fills it whole.
+    plan, _ = run_load(case)
+    config, nc = case.lookup.config, case.lookup.num_computed_tokens
+    boundary = nc + case.hit_tokens
+    for g, blocks in enumerate(case.blocks):
+        size = config.groups[g].block_size
+        filled = set(range(plan.block_indices[g], plan.block_indices[g] + plan.group_sizes[g]))
+        for token in needed_tokens(config, g, boundary):
+            index = token // size
+            if token >= nc and not blocks.is_cached[index]:
+                assert index in filled, f"group {g}: token {token} (block {index}) is not filled"
+
+
 @given(load_cases())
 def test_load_reads_only_keys_the_lookup_saw_as_hits(case: LoadCase) -> None:
     plan, _ = run_load(case)
