@@ -85,7 +85,7 @@ def _plan_group(
     if len(blocks) < n_gpu:
         raise fail("blocks", f"at least {n_gpu} blocks for {cached_tokens} tokens", len(blocks))
     lo = max(
-        _ceil_div(num_computed_tokens, block_size),
+        num_computed_tokens // block_size,  # the block the GPU prefix ends inside is filled whole
         _first_needed_block(config.groups[group], block_size, cached_tokens, n_gpu),
     )
     taken = blocks.is_null[lo:n_gpu] | blocks.is_cached[lo:n_gpu]
@@ -125,8 +125,9 @@ def plan_load(
     """Return the load plan for `hit_tokens` accepted past `num_computed_tokens`, and the
     request's next state (store cursors moved past what is loaded, unless `store_loaded`).
 
-    Per group (DESIGN §4.2): destinations are the blocks from the first one in
-    `[ceil(num_computed / T_g), ceil(cached / T_g))` that is neither null nor GPU-cached — and,
+    Per group: destinations are the blocks from the first one in
+    `[floor(num_computed / T_g), ceil(cached / T_g))` that is neither null nor GPU-cached (the
+    block a GPU prefix ends inside is filled whole: its computed part gets the same bytes) — and,
     for a sliding window, inside the window `[cached - w, cached)`; for Mamba, the state block
     alone — whether or not the engine nulled the blocks below; keys are chunks `first // F` to
     `ceil(cached / C_g)`. A null or cached block after the first

@@ -348,7 +348,7 @@ def test_load_fills_exactly_the_fresh_blocks_of_the_hit(case: LoadCase) -> None:
         n_gpu = ceil_div(cached, size)
         fresh = [
             i
-            for i in range(ceil_div(nc, size), n_gpu)
+            for i in range(nc // size, n_gpu)
             if not blocks.is_null[i] and not blocks.is_cached[i]
         ]
         first = fresh[0] if fresh else 0
@@ -366,7 +366,7 @@ def needed_tokens(config: OffloadConfig, group: int, boundary: int) -> range:
     spec = config.groups[group]
     if spec.kind is GroupKind.SLIDING_WINDOW:
         assert spec.sliding_window is not None
-        return range(max(0, boundary - spec.sliding_window), boundary)
+        return range(max(0, boundary - spec.sliding_window + 1), boundary)
     if spec.kind is GroupKind.MAMBA:
         return range(max(0, boundary - 1), boundary)
     return range(boundary)
