@@ -114,40 +114,49 @@ def ids_flagged(blocks: GroupBlocks, flags: np.ndarray) -> set[int]:
 # The lookup oracle (DESIGN §4.1, the principle)
 
 
+def needed_tokens(config: OffloadConfig, group: int, boundary: int) -> range:
+    """Return the tokens `group` must hold to compute from token `boundary` on (the documented
+    rule, written here independently of core): every earlier token for full attention, the
+    `w - 1` before it for a sliding window of `w`, the state after token `boundary - 1` (held
+    with that token's block) for Mamba."""
+    spec = config.groups[group]
+    if spec.kind is GroupKind.SLIDING_WINDOW:
+        assert spec.sliding_window is not None
+        return range(max(0, boundary - spec.sliding_window + 1), boundary)
+    if spec.kind is GroupKind.MAMBA:
+        return range(max(0, boundary - 1), boundary)
+    return range(boundary)
+
+
 def needed_chunks(
     config: OffloadConfig, group: int, num_computed: int, boundary: int
 ) -> range | None:
     """Return the chunks `group` must read from the tier to resume at `boundary`, or None when
     it cannot resume there at all.
 
-    Full attention: every chunk from the GPU prefix's chunk to the one holding `boundary - 1`.
-    Sliding window `w`: every chunk overlapping `[boundary - w, boundary)`, except those wholly
-    below the GPU prefix's chunk (the GPU holds them). Mamba: the boundary must be a chunk end,
-    and the chunk ending there holds the state.
+    The chunks holding the tokens `needed_tokens` names, except those wholly below the GPU
+    prefix's chunk (the GPU holds them); the chunk the prefix ends inside is read, since its
+    block is loaded whole. Mamba resumes only at its own chunk ends, where a state exists.
     """
     if boundary <= num_computed:
         return range(0)  # nothing to load: the GPU already holds the prefix
-    spec = config.groups[group]
     chunk = config.chunk_tokens(group)
-    start = num_computed // chunk
-    if spec.kind is GroupKind.FULL_ATTENTION:
-        return range(start, ceil_div(boundary, chunk))
-    if spec.kind is GroupKind.SLIDING_WINDOW:
-        assert spec.sliding_window is not None
-        low = max(boundary - spec.sliding_window, 0) // chunk
-        return range(max(low, start), ceil_div(boundary, chunk))
-    if boundary % chunk:
+    if config.groups[group].kind is GroupKind.MAMBA and boundary % chunk:
         return None
-    return range(boundary // chunk - 1, boundary // chunk)
+    tokens = needed_tokens(config, group, boundary)
+    if not tokens:
+        return range(0)
+    return range(max(tokens.start, num_computed) // chunk, ceil_div(boundary, chunk))
 
 
 def needed_keys(case: LookupCase, boundary: int) -> list[OffloadKey] | None:
     """Return every key some group needs at `boundary` (None: some group cannot resume there,
-    or needs a chunk the request has no key for yet)."""
+    or the boundary lies past a group's last complete chunk: no lookup answer passes it, even
+    for a group that needs no chunk there)."""
     keys: list[OffloadKey] = []
     for g in range(case.config.num_groups):
         chunks = needed_chunks(case.config, g, case.num_computed_tokens, boundary)
-        if chunks is None or (chunks and chunks[-1] >= len(case.state.keys[g])):
+        if chunks is None or boundary > len(case.state.keys[g]) * case.config.chunk_tokens(g):
             return None
         keys.extend(case.state.keys[g][j] for j in chunks)
     return keys
@@ -356,20 +365,6 @@ def test_load_fills_exactly_the_fresh_blocks_of_the_hit(case: LoadCase) -> None:
         assert plan.group_sizes[g] == len(fresh)
         assert plan.block_indices[g] == first
         assert plan.gpu_ids_of(g).tolist() == [int(blocks.ids[i]) for i in fresh]
-
-
-def needed_tokens(config: OffloadConfig, group: int, boundary: int) -> range:
-    """Return the tokens `group` must hold to compute from token `boundary` on (the documented
-    rule, written here independently of core): every earlier token for full attention, the
-    `w - 1` before it for a sliding window of `w`, the state after token `boundary - 1` (held
-    with that token's block) for Mamba."""
-    spec = config.groups[group]
-    if spec.kind is GroupKind.SLIDING_WINDOW:
-        assert spec.sliding_window is not None
-        return range(max(0, boundary - spec.sliding_window + 1), boundary)
-    if spec.kind is GroupKind.MAMBA:
-        return range(max(0, boundary - 1), boundary)
-    return range(boundary)
 
 
 @given(load_cases())
