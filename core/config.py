@@ -130,7 +130,7 @@ class OffloadConfig:
         if spec.kind is GroupKind.MAMBA:
             return 1
         if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-            return -(-spec.sliding_window // self.chunk_tokens(group))
+            return -(-(spec.sliding_window - 1) // self.chunk_tokens(group))
         return 0
 
     @property

@@ -57,7 +57,8 @@ def _first_needed_block(spec: GroupSpec, block_size: int, cached_tokens: int, n_
     """Return the first block a group needs to resume at `cached_tokens`: 0 for full attention,
     the window's first block for a sliding window, the last block (the state) for Mamba."""
     if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-        return max(cached_tokens - spec.sliding_window, 0) // block_size
+        first = cached_tokens - spec.sliding_window + 1  # token b attends to b - w + 1 .. b
+        return n_gpu if first >= cached_tokens else max(first, 0) // block_size
     if spec.kind is GroupKind.MAMBA:
         return max(n_gpu - 1, 0)
     return 0

@@ -111,8 +111,11 @@ class _Group:
         if self.kind is GroupKind.MAMBA:
             end = boundary // self.chunk
             return max(self.start, end - 1), end
-        first = max(0, boundary - self.window) // self.chunk
-        return max(self.start, first), _ceil_div(boundary, self.chunk)
+        end = _ceil_div(boundary, self.chunk)
+        first_token = boundary - self.window + 1  # token b attends to tokens b - w + 1 .. b
+        if first_token >= boundary:
+            return end, end
+        return max(self.start, max(0, first_token) // self.chunk), end
 
 
 def _scan_prefix(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
@@ -132,6 +135,8 @@ def _scan_window(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
     top_lo, end = group.needed_chunks(boundary)
     if group.kind is GroupKind.MAMBA:
         boundary = end * group.chunk  # a Mamba state exists only at its own chunk ends
+    elif top_lo >= end:
+        return boundary  # the window needs no chunk from the tier here
     start, w = group.start, group.window_chunks
     fetched = end
     run_top = end
