@@ -23,7 +23,7 @@ from kvferry.adapters.session import OffloadSession, RunningRequest
 from kvferry.adapters.workers import report_all
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan
-from kvferry.core.config import GroupKind, OffloadConfig
+from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import KvferryError, TransferFailedError
 from kvferry.core.keys import KeyStatus, OffloadKey
 from kvferry.core.lookup import lookup
@@ -289,13 +289,10 @@ class DemoEngine:
         return found.tokens
 
     def _needed(self, group: int, position: int, boundary: int) -> bool:
-        """Return whether `group` needs the block at `position` to resume at `boundary`."""
-        spec = self._config.groups[group]
-        if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-            return position >= max(boundary - spec.sliding_window, 0) // self._block
-        if spec.kind is GroupKind.MAMBA:
-            return position == -(-boundary // self._block) - 1
-        return True
+        """Return whether `group` needs the block at `position` to resume at `boundary`: the
+        blocks from the one holding its first needed token (`KIND_RULES`) on."""
+        first = self._config.groups[group].first_needed_token(boundary)
+        return position >= first // self._block
 
     def _try_admit(self, request: _Request) -> bool | None:
         """Admit `request` if it fits: True; no room: False; the tier says retry: None."""
@@ -323,7 +320,7 @@ class DemoEngine:
                 for i, hit_block in wanted
                 if not hit_block or pool.is_free(self._cached(g, request, i))
             )
-            full = self._config.groups[g].kind is GroupKind.FULL_ATTENTION
+            full = not self._config.groups[g].rule.windowed
             # full attention keeps every block: room for the whole prompt; the others: its
             # first chunk (the window or state moves along)
             stop = request.num_tokens if full else boundary + self._profile.step_tokens
@@ -360,7 +357,7 @@ class DemoEngine:
         request.computed = boundary
         self._register(request)
         for g, pool in enumerate(self._pools):  # the blocks its first step(s) will fill
-            full = self._config.groups[g].kind is GroupKind.FULL_ATTENTION
+            full = not self._config.groups[g].rule.windowed
             stop = request.num_tokens if full else boundary + self._profile.step_tokens
             table = request.tables[g]
             while len(table) < -(-min(stop, request.num_tokens) // self._block):
@@ -392,7 +389,7 @@ class DemoEngine:
         self.tally.chunks_loaded += len(plan.keys)
         first = gpu // self._block
         for g, spec in enumerate(self._config.groups):
-            if spec.kind is GroupKind.FULL_ATTENTION:
+            if not spec.rule.windowed:
                 continue
             every = -(-boundary // self._block) - first
             self.tally.windowed_bytes_loaded += plan.group_sizes[g] * self._page_bytes[g]
@@ -451,7 +448,7 @@ class DemoEngine:
         start, stop = request.computed, request.computed + count
         for g, spec in enumerate(self._config.groups):
             table = np.asarray(request.tables[g], dtype=np.uint64)
-            if spec.kind is GroupKind.MAMBA:
+            if spec.rule.recurrent_state:
                 batch.add_states(
                     g, table, request.ids, start=start, stop=stop, block_size=self._block
                 )
@@ -495,12 +492,10 @@ class DemoEngine:
         self._register(request)
         jobs = self._session.jobs_of(request.turn.request_id)
         for g, spec in enumerate(self._config.groups):
-            if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-                below = max(request.computed - spec.sliding_window, 0) // self._block
-            elif spec.kind is GroupKind.MAMBA:
-                below = -(-request.computed // self._block) - 1
-            else:
+            if not spec.rule.windowed:
                 continue
+            # What an engine frees: the blocks wholly below the first token still needed.
+            below = spec.first_needed_token(request.computed) // self._block
             table = request.tables[g]
             dropped = [table[i] for i in range(min(below, len(table))) if table[i] != NULL]
             if dropped:

@@ -12,6 +12,7 @@ import attrs
 
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError, member_named
+from kvferry.core.kinds import KIND_RULES
 
 BF16 = 2
 """Bytes per bf16 element."""
@@ -76,7 +77,7 @@ class GroupProfile:
     @property
     def is_attention(self) -> bool:
         """Return True for full-attention and sliding-window groups."""
-        return self.kind is not GroupKind.MAMBA
+        return not KIND_RULES[self.kind].recurrent_state
 
     def token_bytes(self) -> int:
         """Return the bytes one token takes in one K (or V) page of an attention layer."""

@@ -23,6 +23,7 @@ from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import CatalogEvent
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
+from kvferry.core.kinds import KIND_RULES, PARAMETER_DEFAULTS
 from kvferry.core.plan import Direction
 from kvferry.executors.base import Executor
 
@@ -107,15 +108,27 @@ def group_kind_of(spec: object, *, group: int | None = None) -> GroupKind:
 
 
 def group_spec_from_vllm(spec: object, *, group: int | None = None) -> GroupSpec:
-    """Return the GroupSpec of one vLLM `kv_cache_spec` (kind, `block_size`, `sliding_window`)."""
+    """Return the GroupSpec of one vLLM `kv_cache_spec`: its kind, `block_size`, and the
+    parameters the kind uses (`KIND_RULES[kind].parameters`, read from vLLM's attributes of
+    the same names, e.g. `sliding_window`)."""
     kind = group_kind_of(spec, group=group)
-    window = getattr(spec, "sliding_window", None) if kind is GroupKind.SLIDING_WINDOW else None
     block_size = getattr(spec, "block_size", None)
     if block_size is None:
         raise InvalidInputError(
             group=group, field="kv_cache_spec.block_size", expected="a block size", got=spec
         )
-    return GroupSpec(kind=kind, block_size=block_size, sliding_window=window)
+    parameters = {
+        name: getattr(spec, name, PARAMETER_DEFAULTS[name]) for name in KIND_RULES[kind].parameters
+    }
+    try:
+        return GroupSpec(kind=kind, block_size=block_size, **parameters)
+    except InvalidInputError as error:
+        raise InvalidInputError(
+            group=group,
+            field=f"kv_cache_spec.{error.field}",
+            expected=error.expected,
+            got=error.got,
+        ) from error
 
 
 def offload_config_from_vllm(
@@ -181,13 +194,10 @@ NULL_BLOCK_ID = 0
 
 def engine_skipped_tokens(spec: GroupSpec, num_computed_tokens: int) -> int:
     """Return how many leading tokens' blocks vLLM has replaced by its null block once
-    `num_computed_tokens` are computed: none for full attention, `n - window + 1` for a sliding
-    window, `n - 1` for Mamba (vLLM's `get_num_skipped_tokens`)."""
-    if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-        return max(num_computed_tokens - spec.sliding_window + 1, 0)
-    if spec.kind is GroupKind.MAMBA:
-        return max(num_computed_tokens - 1, 0)
-    return 0
+    `num_computed_tokens` are computed (vLLM's `get_num_skipped_tokens`): the tokens below the
+    first one the group needs to go on (`GroupSpec.first_needed_token`): none for full
+    attention, `n - window + 1` for a sliding window, `n - 1` for Mamba."""
+    return spec.first_needed_token(num_computed_tokens)
 
 
 def group_blocks_from_ids(

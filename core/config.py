@@ -5,23 +5,13 @@ Values only: no I/O, no defaults read from the environment (adapters do that).
 
 from __future__ import annotations
 
-import enum
-
 import attrs
 
 from kvferry.core.checks import at_least
 from kvferry.core.errors import InvalidInputError
+from kvferry.core.kinds import KIND_RULES, PARAMETER_DEFAULTS, GroupKind, KindRule
 
-
-class GroupKind(enum.Enum):
-    """What a KV-cache group must hold on the GPU to resume a request at token `t`."""
-
-    FULL_ATTENTION = "full_attention"
-    """Every earlier token (MLA included)."""
-    SLIDING_WINDOW = "sliding_window"
-    """Only the last `sliding_window` tokens."""
-    MAMBA = "mamba"
-    """Only the recurrent state after token `t - 1`."""
+__all__ = ["GroupKind", "GroupSpec", "OffloadConfig"]
 
 
 def _group_kind(instance: object, attribute: attrs.Attribute[GroupKind], value: object) -> None:
@@ -36,7 +26,8 @@ def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> 
 
 @attrs.frozen(kw_only=True)
 class GroupSpec:
-    """One KV-cache group: its kind, its GPU block size and (for windows) its window."""
+    """One KV-cache group: its kind, its GPU block size and the parameters its kind needs
+    (`KIND_RULES[kind].parameters`)."""
 
     kind: GroupKind = attrs.field(validator=_group_kind)
     """How the group's layers use earlier tokens."""
@@ -46,20 +37,30 @@ class GroupSpec:
     """Window in tokens; required for sliding-window groups, absent for the others."""
 
     def __attrs_post_init__(self) -> None:
-        if self.kind is GroupKind.SLIDING_WINDOW:
-            window = self.sliding_window
-            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        required = self.rule.parameters
+        for name, default in PARAMETER_DEFAULTS.items():
+            value = getattr(self, name)
+            if name in required:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise InvalidInputError(
+                        field=name,
+                        expected=f"an integer >= 1 for a {self.kind.value} group",
+                        got=value,
+                    )
+            elif value != default:
                 raise InvalidInputError(
-                    field="sliding_window",
-                    expected="an integer >= 1 for a sliding-window group",
-                    got=window,
+                    field=name, expected=f"{default} for a {self.kind.value} group", got=value
                 )
-        elif self.sliding_window is not None:
-            raise InvalidInputError(
-                field="sliding_window",
-                expected=f"None for a {self.kind.value} group",
-                got=self.sliding_window,
-            )
+
+    @property
+    def rule(self) -> KindRule:
+        """Return the rules of this group's kind."""
+        return KIND_RULES[self.kind]
+
+    def first_needed_token(self, t: int) -> int:
+        """Return the first token this group needs to compute token `t` (it needs every token
+        from there up to `t`; the engine nulls the blocks wholly below it)."""
+        return self.rule.first_needed_token(self, t)
 
 
 def _groups_tuple(value: object) -> tuple[GroupSpec, ...]:
@@ -121,19 +122,14 @@ class OffloadConfig:
         return self._chunk_tokens[group] // self.hash_block_size
 
     def window_chunks(self, group: int) -> int:
-        """Return `W`, the chunks a windowed group needs at a boundary on its chunk grid.
-
-        `ceil(window / C_g)` for a sliding window, 1 for Mamba; 0 for full attention,
-        which has no window.
-        """
+        """Return `W`, the chunks a windowed group needs at a boundary on its chunk grid:
+        `ceil(reach / C_g)` (`ceil((w - 1) / C_g)` for a sliding window of `w`, 1 for Mamba);
+        0 for full attention, which has no window."""
         spec = self.groups[group]
-        if spec.kind is GroupKind.MAMBA:
-            return 1
-        if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-            return -(-(spec.sliding_window - 1) // self.chunk_tokens(group))
-        return 0
+        reach = spec.rule.reach
+        return 0 if reach is None else -(-reach(spec) // self.chunk_tokens(group))
 
     @property
     def has_windowed_group(self) -> bool:
-        """Return True when any group is sliding-window or Mamba."""
-        return any(g.kind is not GroupKind.FULL_ATTENTION for g in self.groups)
+        """Return True when any group needs only some earlier tokens (not full attention)."""
+        return any(g.rule.windowed for g in self.groups)

@@ -28,6 +28,7 @@ from kvferry.core import (
     lookup,
     new_request_state,
 )
+from kvferry.core.kinds import KIND_RULES
 
 HIT, MISS, PENDING = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.PENDING
 
@@ -133,23 +134,30 @@ class StoreCase:
 
 
 _KINDS = tuple(GroupKind)
+PARAMETER_SPANS: dict[str, int] = {"sliding_window": 3}
+"""Per kind parameter, how many chunks (plus two tokens) its drawn values span: from 1 up to
+that, on and off the chunk grid."""
+_CONFIG_BYTES = 2 + 2 * 4
 
 
 def _config(data: bytes) -> OffloadConfig:
-    """Build a configuration from 10 bytes (few draws, uniform kinds and group counts; zero
-    bytes shrink towards one full-attention group with the smallest blocks and window)."""
+    """Build a configuration from `_CONFIG_BYTES` bytes (few draws, uniform kinds and group
+    counts; zero bytes shrink towards one full-attention group with the smallest blocks and
+    parameters)."""
     hash_block_size = 1 + data[0] % 2
     blocks_per_chunk = 1 + data[0] // 2 % 4
     store_decoded_tokens = not data[0] // 8 % 2
     specs = []
     for g in range(1 + data[1] % 4):
-        shape, window_byte = data[2 + 2 * g], data[3 + 2 * g]
-        kind, multiple = _KINDS[shape % 3], 1 + shape // 3 % 4
+        shape, parameter_byte = data[2 + 2 * g], data[3 + 2 * g]
+        kind, multiple = _KINDS[shape % len(_KINDS)], 1 + shape // len(_KINDS) % 4
         block_size = hash_block_size * multiple
-        window = None
-        if kind is GroupKind.SLIDING_WINDOW:  # 1 .. 3 chunks + 2 tokens, on and off the grid
-            window = 1 + window_byte * (3 * blocks_per_chunk * block_size + 1) // 255
-        specs.append(GroupSpec(kind=kind, block_size=block_size, sliding_window=window))
+        chunk = blocks_per_chunk * block_size
+        parameters = {
+            name: 1 + parameter_byte * (PARAMETER_SPANS[name] * chunk + 1) // 255
+            for name in KIND_RULES[kind].parameters
+        }
+        specs.append(GroupSpec(kind=kind, block_size=block_size, **parameters))
     return OffloadConfig(
         hash_block_size=hash_block_size,
         blocks_per_chunk=blocks_per_chunk,
@@ -158,7 +166,7 @@ def _config(data: bytes) -> OffloadConfig:
     )
 
 
-_CONFIGS = st.binary(min_size=10, max_size=10).map(_config)
+_CONFIGS = st.binary(min_size=_CONFIG_BYTES, max_size=_CONFIG_BYTES).map(_config)
 
 
 def configs() -> st.SearchStrategy[OffloadConfig]:
@@ -280,24 +288,14 @@ def _shuffled_ids(draw: st.DrawFn, count: int) -> list[int]:
 
 
 def null_blocks(
-    config: OffloadConfig, group: int, computed: int, window_slack: int, num_blocks: int
+    config: OffloadConfig, group: int, computed: int, free_lag: int, num_blocks: int
 ) -> int:
-    """Return how many leading blocks of `group` an engine makes null at `computed` tokens.
-
-    Sliding window: the blocks wholly below the window, `[computed - w, computed)` by the
-    design (`window_slack` 0) or `[computed - w + 1, computed)` as vLLM counts it (slack 1).
-    Mamba: every block below the one holding the state after token `computed - 1`.
-    Full attention: none.
-    """
-    spec = config.groups[group]
-    if spec.kind is GroupKind.SLIDING_WINDOW:
-        assert spec.sliding_window is not None
-        count = max(0, computed - spec.sliding_window + window_slack) // spec.block_size
-    elif spec.kind is GroupKind.MAMBA:
-        count = max(0, computed - 1) // spec.block_size
-    else:
-        count = 0
-    return min(count, num_blocks)
+    """Return how many leading blocks of `group` an engine makes null at `computed` tokens:
+    those wholly below the first token the group still needs (`GroupSpec.first_needed_token`),
+    none for full attention; an engine that frees a token late (`free_lag` 1) keeps one more
+    token, so sometimes one more block."""
+    first = config.groups[group].first_needed_token(computed)
+    return min(max(0, first - free_lag) // config.groups[group].block_size, num_blocks)
 
 
 def engine_blocks(
@@ -306,7 +304,7 @@ def engine_blocks(
     num_computed_tokens: int,
     null_at: int,
     alloc_tokens: Sequence[int],
-    window_slack: int,
+    free_lag: int,
     own_window: bool,
     ids: Sequence[int],
 ) -> tuple[GroupBlocks, ...]:
@@ -325,9 +323,9 @@ def engine_blocks(
     pool = iter(ids)
     for g, spec in enumerate(config.groups):
         count = ceil_div(alloc_tokens[g], spec.block_size)
-        nulls = null_blocks(config, g, null_at, window_slack, count)
+        nulls = null_blocks(config, g, null_at, free_lag, count)
         cached_end = max(nulls, min(count, num_computed_tokens // spec.block_size))
-        if own_window and spec.kind is not GroupKind.FULL_ATTENTION:
+        if own_window and spec.rule.windowed:
             cached_end = nulls
         block_ids = [NULL_BLOCK_ID if i < nulls else next(pool) for i in range(count)]
         out.append(GroupBlocks.of(block_ids, null=range(nulls), cached=range(nulls, cached_end)))
@@ -365,7 +363,7 @@ def load_cases(draw: st.DrawFn) -> LoadCase:
         num_computed_tokens=case.num_computed_tokens,
         null_at=boundary,
         alloc_tokens=[alloc] * case.config.num_groups,
-        window_slack=draw(_BITS),
+        free_lag=draw(_BITS),
         own_window=draw(st.booleans()),
         ids=_shuffled_ids(draw, sum(ceil_div(alloc, t.block_size) for t in case.config.groups)),
     )
@@ -406,7 +404,7 @@ def store_cases(draw: st.DrawFn) -> StoreCase:
         num_computed_tokens=nc,
         null_at=nc,
         alloc_tokens=alloc,
-        window_slack=draw(_BITS),
+        free_lag=draw(_BITS),
         own_window=draw(st.booleans()),
         ids=_shuffled_ids(draw, sum(len_blocks)),
     )

@@ -1,0 +1,124 @@
+"""The kinds of KV-cache group and their rules: one row per kind, the only place that says how
+a kind differs from another.
+
+Lookup, load and store, the vLLM adapter, the demo engine and the tests ask `KIND_RULES`
+instead of testing the kind, so a new kind is a new row (and its tests). Pure values only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    from kvferry.core.config import GroupSpec
+
+
+class GroupKind(enum.Enum):
+    """How a KV-cache group's layers use earlier tokens; `KIND_RULES` holds what each means."""
+
+    FULL_ATTENTION = "full_attention"
+    """Every earlier token (MLA included)."""
+    SLIDING_WINDOW = "sliding_window"
+    """Only the tokens of the last `sliding_window` positions."""
+    MAMBA = "mamba"
+    """Only the recurrent state after the previous token."""
+
+
+class Scan(enum.Enum):
+    """How a lookup finds the largest boundary, at or below a candidate, valid for one group."""
+
+    PREFIX = "prefix"
+    """Valid up to the first chunk the tier lacks: one scan from the GPU prefix upwards, and
+    valid at every lower boundary too, so never examined again."""
+    WINDOW = "window"
+    """Valid where the run of chunks ending at the boundary is complete: a scan from the right,
+    examined again whenever another group moves the boundary down."""
+
+
+@attrs.frozen(kw_only=True)
+class KindRule:
+    """What one `GroupKind` means for planning."""
+
+    parameters: tuple[str, ...]
+    """The `GroupSpec` fields this kind requires (integers >= 1); every other field keeps its
+    default."""
+    first_needed_token: Callable[[GroupSpec, int], int]
+    """`(spec, t) -> first`: to compute token `t` (and on), the group needs tokens
+    `[first, t)` and nothing below `first`. An engine frees (nulls) the blocks wholly below
+    `first` once `t` tokens are computed, so it is also where null blocks end."""
+    reach: Callable[[GroupSpec], int] | None
+    """`spec -> tokens`: how many tokens before `t` the group needs wherever `t` is far enough
+    from the start (`first_needed_token` is then `t - reach`); None when it needs every
+    earlier token."""
+    scan: Scan
+    """How a lookup finds this group's largest valid boundary."""
+    boundary_on_grid: bool
+    """The group resumes only at its own chunk ends (what it holds exists only there)."""
+    recurrent_state: bool
+    """A block holds one state of the whole prefix rather than the KV of its own tokens."""
+
+    @property
+    def windowed(self) -> bool:
+        """Return True when the group needs only some earlier tokens (null blocks below them
+        are expected): its boundary must be exactly where the engine resumes."""
+        return self.reach is not None
+
+
+def _every_earlier_token(spec: GroupSpec, t: int) -> int:
+    return 0
+
+
+def _window_reach(spec: GroupSpec) -> int:
+    # Token t attends to itself and the w - 1 tokens before it.
+    return (spec.sliding_window or 1) - 1
+
+
+def _window_start(spec: GroupSpec, t: int) -> int:
+    return max(0, t - _window_reach(spec))
+
+
+def _state_reach(spec: GroupSpec) -> int:
+    return 1
+
+
+def _state_start(spec: GroupSpec, t: int) -> int:
+    # The state after token t - 1 lives in that token's block.
+    return max(0, t - 1)
+
+
+KIND_RULES: dict[GroupKind, KindRule] = {
+    GroupKind.FULL_ATTENTION: KindRule(
+        parameters=(),
+        first_needed_token=_every_earlier_token,
+        reach=None,
+        scan=Scan.PREFIX,
+        boundary_on_grid=False,
+        recurrent_state=False,
+    ),
+    GroupKind.SLIDING_WINDOW: KindRule(
+        parameters=("sliding_window",),
+        first_needed_token=_window_start,
+        reach=_window_reach,
+        scan=Scan.WINDOW,
+        boundary_on_grid=False,
+        recurrent_state=False,
+    ),
+    GroupKind.MAMBA: KindRule(
+        parameters=(),
+        first_needed_token=_state_start,
+        reach=_state_reach,
+        scan=Scan.WINDOW,
+        boundary_on_grid=True,
+        recurrent_state=True,
+    ),
+}
+"""The rules table: one row per kind; `tests/test_kinds.py` checks every row against its
+documented meaning."""
+
+PARAMETER_DEFAULTS: dict[str, int | None] = {"sliding_window": None}
+"""Every kind parameter a `GroupSpec` has, with the value it keeps when its kind does not use
+it."""
