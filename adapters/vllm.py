@@ -109,16 +109,18 @@ def group_kind_of(spec: object, *, group: int | None = None) -> GroupKind:
 
 def group_spec_from_vllm(spec: object, *, group: int | None = None) -> GroupSpec:
     """Return the GroupSpec of one vLLM `kv_cache_spec`: its kind, `block_size`, and the
-    parameters the kind uses (`KIND_RULES[kind].parameters`, read from vLLM's attributes of
-    the same names, e.g. `sliding_window`)."""
+    parameters the kind uses (`KIND_RULES[kind]`, read from vLLM's attributes of the same
+    names: `sliding_window` and `extra_retained_tokens` of a sliding window)."""
     kind = group_kind_of(spec, group=group)
     block_size = getattr(spec, "block_size", None)
     if block_size is None:
         raise InvalidInputError(
             group=group, field="kv_cache_spec.block_size", expected="a block size", got=spec
         )
-    parameters = {
-        name: getattr(spec, name, PARAMETER_DEFAULTS[name]) for name in KIND_RULES[kind].parameters
+    rule = KIND_RULES[kind]
+    parameters: dict[str, Any] = {
+        name: getattr(spec, name, PARAMETER_DEFAULTS[name])
+        for name in rule.parameters + rule.optional_parameters
     }
     try:
         return GroupSpec(kind=kind, block_size=block_size, **parameters)

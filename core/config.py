@@ -35,16 +35,21 @@ class GroupSpec:
     """Tokens per GPU block of this group (`T_g`)."""
     sliding_window: int | None = None
     """Window in tokens; required for sliding-window groups, absent for the others."""
+    extra_retained_tokens: int = 0
+    """Tokens below a sliding window whose blocks the engine keeps too (vLLM's
+    `SlidingWindowSpec.extra_retained_tokens`, set with several speculative draft modules):
+    they are loaded with the window. 0 for every other kind."""
 
     def __attrs_post_init__(self) -> None:
-        required = self.rule.parameters
+        rule = self.rule
         for name, default in PARAMETER_DEFAULTS.items():
             value = getattr(self, name)
-            if name in required:
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if name in rule.parameters or name in rule.optional_parameters:
+                least = 1 if name in rule.parameters else 0
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
                     raise InvalidInputError(
                         field=name,
-                        expected=f"an integer >= 1 for a {self.kind.value} group",
+                        expected=f"an integer >= {least} for a {self.kind.value} group",
                         got=value,
                     )
             elif value != default:

@@ -23,7 +23,8 @@ class GroupKind(enum.Enum):
     FULL_ATTENTION = "full_attention"
     """Every earlier token (MLA included)."""
     SLIDING_WINDOW = "sliding_window"
-    """Only the tokens of the last `sliding_window` positions."""
+    """Only the tokens of the last `sliding_window` positions (and, when an engine retains
+    them, `extra_retained_tokens` more below)."""
     MAMBA = "mamba"
     """Only the recurrent state after the previous token."""
 
@@ -44,8 +45,10 @@ class KindRule:
     """What one `GroupKind` means for planning."""
 
     parameters: tuple[str, ...]
-    """The `GroupSpec` fields this kind requires (integers >= 1); every other field keeps its
-    default."""
+    """The `GroupSpec` fields this kind requires (integers >= 1)."""
+    optional_parameters: tuple[str, ...] = ()
+    """The `GroupSpec` fields this kind may set (integers >= 0, default 0); every field of
+    neither list keeps its default."""
     first_needed_token: Callable[[GroupSpec, int], int]
     """`(spec, t) -> first`: to compute token `t` (and on), the group needs tokens
     `[first, t)` and nothing below `first`. An engine frees (nulls) the blocks wholly below
@@ -73,8 +76,9 @@ def _every_earlier_token(spec: GroupSpec, t: int) -> int:
 
 
 def _window_reach(spec: GroupSpec) -> int:
-    # Token t attends to itself and the w - 1 tokens before it.
-    return (spec.sliding_window or 1) - 1
+    # Token t attends to itself and the w - 1 tokens before it; an engine that retains extra
+    # tokens below the window (several draft modules re-prefill them) keeps their blocks too.
+    return (spec.sliding_window or 1) - 1 + spec.extra_retained_tokens
 
 
 def _window_start(spec: GroupSpec, t: int) -> int:
@@ -101,6 +105,7 @@ KIND_RULES: dict[GroupKind, KindRule] = {
     ),
     GroupKind.SLIDING_WINDOW: KindRule(
         parameters=("sliding_window",),
+        optional_parameters=("extra_retained_tokens",),
         first_needed_token=_window_start,
         reach=_window_reach,
         scan=Scan.WINDOW,
@@ -119,6 +124,6 @@ KIND_RULES: dict[GroupKind, KindRule] = {
 """The rules table: one row per kind; `tests/test_kinds.py` checks every row against its
 documented meaning."""
 
-PARAMETER_DEFAULTS: dict[str, int | None] = {"sliding_window": None}
+PARAMETER_DEFAULTS: dict[str, int | None] = {"sliding_window": None, "extra_retained_tokens": 0}
 """Every kind parameter a `GroupSpec` has, with the value it keeps when its kind does not use
 it."""

@@ -134,10 +134,10 @@ class StoreCase:
 
 
 _KINDS = tuple(GroupKind)
-PARAMETER_SPANS: dict[str, int] = {"sliding_window": 3}
-"""Per kind parameter, how many chunks (plus two tokens) its drawn values span: from 1 up to
-that, on and off the chunk grid."""
-_CONFIG_BYTES = 2 + 2 * 4
+PARAMETER_SPANS: dict[str, int] = {"sliding_window": 3, "extra_retained_tokens": 1}
+"""Per kind parameter, how many chunks (plus a token or two) its drawn values span: from 1
+(0 for an optional one) up to that, on and off the chunk grid."""
+_CONFIG_BYTES = 2 + 3 * 4
 
 
 def _config(data: bytes) -> OffloadConfig:
@@ -149,13 +149,18 @@ def _config(data: bytes) -> OffloadConfig:
     store_decoded_tokens = not data[0] // 8 % 2
     specs = []
     for g in range(1 + data[1] % 4):
-        shape, parameter_byte = data[2 + 2 * g], data[3 + 2 * g]
+        shape, required, optional = data[2 + 3 * g : 5 + 3 * g]
         kind, multiple = _KINDS[shape % len(_KINDS)], 1 + shape // len(_KINDS) % 4
         block_size = hash_block_size * multiple
         chunk = blocks_per_chunk * block_size
+        rule = KIND_RULES[kind]
         parameters = {
-            name: 1 + parameter_byte * (PARAMETER_SPANS[name] * chunk + 1) // 255
-            for name in KIND_RULES[kind].parameters
+            name: 1 + required * (PARAMETER_SPANS[name] * chunk + 1) // 255
+            for name in rule.parameters
+        }
+        parameters |= {  # half the draws leave an optional parameter at 0
+            name: max(0, optional - 128) * (PARAMETER_SPANS[name] * chunk + 1) // 127
+            for name in rule.optional_parameters
         }
         specs.append(GroupSpec(kind=kind, block_size=block_size, **parameters))
     return OffloadConfig(

@@ -23,6 +23,10 @@ def spec_of(kind: GroupKind, block_size: int = 4, value: int = 10) -> GroupSpec:
     )
 
 
+def _required(kind: GroupKind) -> dict[str, int]:
+    return {name: 10 for name in KIND_RULES[kind].parameters}
+
+
 KINDS = list(GroupKind)
 
 
@@ -62,7 +66,16 @@ def test_a_state_exists_only_at_its_own_chunk_ends(kind: GroupKind) -> None:
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
 def test_parameters_are_known_fields(kind: GroupKind) -> None:
-    assert set(KIND_RULES[kind].parameters) <= set(PARAMETER_DEFAULTS)
+    rule = KIND_RULES[kind]
+    assert set(rule.parameters + rule.optional_parameters) <= set(PARAMETER_DEFAULTS)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
+def test_an_optional_parameter_is_at_least_zero(kind: GroupKind) -> None:
+    for name in KIND_RULES[kind].optional_parameters:
+        assert getattr(spec_of(kind), name) == 0
+        with pytest.raises(InvalidInputError, match=name):
+            GroupSpec(kind=kind, block_size=4, **{name: -1}, **_required(kind))
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
@@ -76,14 +89,30 @@ def test_a_spec_without_a_parameter_of_its_kind_is_refused_by_name(kind: GroupKi
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
 def test_a_spec_with_a_parameter_of_another_kind_is_refused_by_name(kind: GroupKind) -> None:
-    for name in set(PARAMETER_DEFAULTS) - set(KIND_RULES[kind].parameters):
+    rule = KIND_RULES[kind]
+    for name in set(PARAMETER_DEFAULTS) - set(rule.parameters + rule.optional_parameters):
         with pytest.raises(InvalidInputError, match=name):
-            GroupSpec(kind=kind, block_size=4, **{name: 7})
+            GroupSpec(kind=kind, block_size=4, **{name: 7}, **_required(kind))
 
 
 def test_a_window_of_w_needs_the_w_minus_one_tokens_before_the_token() -> None:
     spec = GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=4, sliding_window=5)
     assert [spec.first_needed_token(t) for t in (0, 3, 4, 5, 20)] == [0, 0, 0, 1, 16]
+
+
+def test_retained_tokens_extend_a_window_below_its_w_minus_one_tokens() -> None:
+    spec = GroupSpec(
+        kind=GroupKind.SLIDING_WINDOW, block_size=4, sliding_window=5, extra_retained_tokens=3
+    )
+    assert [spec.first_needed_token(t) for t in (4, 7, 8, 20)] == [0, 0, 1, 13]
+
+
+def test_window_chunks_count_retained_tokens_too() -> None:
+    window = GroupSpec(
+        kind=GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=33, extra_retained_tokens=1
+    )
+    config = OffloadConfig(hash_block_size=16, blocks_per_chunk=2, groups=(window,))
+    assert config.window_chunks(0) == 2  # 32 + 1 tokens before a boundary on the 32-token grid
 
 
 def test_mamba_needs_the_state_after_the_previous_token() -> None:

@@ -117,12 +117,13 @@ def ids_flagged(blocks: GroupBlocks, flags: np.ndarray) -> set[int]:
 def needed_tokens(config: OffloadConfig, group: int, boundary: int) -> range:
     """Return the tokens `group` must hold to compute from token `boundary` on (the documented
     rule, written here independently of core): every earlier token for full attention, the
-    `w - 1` before it for a sliding window of `w`, the state after token `boundary - 1` (held
-    with that token's block) for Mamba."""
+    `w - 1` before it for a sliding window of `w` (and the `e` extra retained tokens below
+    those), the state after token `boundary - 1` (held with that token's block) for Mamba."""
     spec = config.groups[group]
     if spec.kind is GroupKind.SLIDING_WINDOW:
         assert spec.sliding_window is not None
-        return range(max(0, boundary - spec.sliding_window + 1), boundary)
+        reach = spec.sliding_window - 1 + spec.extra_retained_tokens
+        return range(max(0, boundary - reach), boundary)
     if spec.kind is GroupKind.MAMBA:
         return range(max(0, boundary - 1), boundary)
     return range(boundary)

@@ -45,6 +45,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 class SlidingWindowSpec:
     block_size: int
     sliding_window: int
+    extra_retained_tokens: int = 0
 
 
 @dataclass
@@ -179,6 +180,13 @@ def test_spec_kinds_are_recognised_by_class_name() -> None:
     ]
     assert config.groups[2].sliding_window == 128
     assert config.groups[3].block_size == 32
+
+
+def test_sliding_window_spec_brings_its_extra_retained_tokens() -> None:
+    config = offload_config_from_vllm(
+        kv_cache_config(SlidingWindowSpec(16, 128, extra_retained_tokens=3)), hash_block_size=16
+    )
+    assert (config.groups[0].sliding_window, config.groups[0].extra_retained_tokens) == (128, 3)
 
 
 def test_full_attention_spec_with_a_window_stays_full_attention() -> None:
