@@ -81,6 +81,7 @@ SPEC_KINDS: dict[str, GroupKind] = {
     "SlidingWindowSpec": GroupKind.SLIDING_WINDOW,
     "SlidingWindowMLASpec": GroupKind.SLIDING_WINDOW,
     "MambaSpec": GroupKind.MAMBA,
+    "ChunkedLocalAttentionSpec": GroupKind.CHUNKED_LOCAL_ATTENTION,
 }
 """vLLM spec class names and the group kind each means; drives `group_kind_of`, its tests and
 docs/embedding.md. A spec is recognised by the first of its classes (its MRO) named here, so
@@ -93,7 +94,7 @@ def group_kind_of(spec: object, *, group: int | None = None) -> GroupKind:
     """Return the GroupKind a vLLM `kv_cache_spec` stands for, by its class name (SPEC_KINDS).
 
     Raises InvalidInputError naming the group and the class for a spec of another kind
-    (e.g. `ChunkedLocalAttentionSpec`, `CrossAttentionSpec`): kvferry has no rule for it.
+    (e.g. `CrossAttentionSpec`): kvferry has no rule for it.
     """
     for cls in type(spec).__mro__:
         kind = SPEC_KINDS.get(cls.__name__)
@@ -110,7 +111,8 @@ def group_kind_of(spec: object, *, group: int | None = None) -> GroupKind:
 def group_spec_from_vllm(spec: object, *, group: int | None = None) -> GroupSpec:
     """Return the GroupSpec of one vLLM `kv_cache_spec`: its kind, `block_size`, and the
     parameters the kind uses (`KIND_RULES[kind]`, read from vLLM's attributes of the same
-    names: `sliding_window` and `extra_retained_tokens` of a sliding window)."""
+    names: `sliding_window` and `extra_retained_tokens` of a sliding window,
+    `attention_chunk_size` of chunked local attention)."""
     kind = group_kind_of(spec, group=group)
     block_size = getattr(spec, "block_size", None)
     if block_size is None:

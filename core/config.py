@@ -39,6 +39,9 @@ class GroupSpec:
     """Tokens below a sliding window whose blocks the engine keeps too (vLLM's
     `SlidingWindowSpec.extra_retained_tokens`, set with several speculative draft modules):
     they are loaded with the window. 0 for every other kind."""
+    attention_chunk_size: int | None = None
+    """Tokens per attention chunk of a chunked-local-attention group (vLLM's
+    `ChunkedLocalAttentionSpec.attention_chunk_size`); absent for the others."""
 
     def __attrs_post_init__(self) -> None:
         rule = self.rule
@@ -127,12 +130,13 @@ class OffloadConfig:
         return self._chunk_tokens[group] // self.hash_block_size
 
     def window_chunks(self, group: int) -> int:
-        """Return `W`, the chunks a windowed group needs at a boundary on its chunk grid:
-        `ceil(reach / C_g)` (`ceil((w - 1) / C_g)` for a sliding window of `w`, 1 for Mamba);
-        0 for full attention, which has no window."""
+        """Return `W`, the chunks a windowed group needs at most at a boundary on its chunk
+        grid: `ceil(window_tokens / C_g)` (`ceil((w - 1 + e) / C_g)` for a sliding window,
+        1 for Mamba, exactly that many away from the start); 0 for full attention, which has
+        no window."""
         spec = self.groups[group]
-        reach = spec.rule.reach
-        return 0 if reach is None else -(-reach(spec) // self.chunk_tokens(group))
+        window_tokens = spec.rule.window_tokens
+        return 0 if window_tokens is None else -(-window_tokens(spec) // self.chunk_tokens(group))
 
     @property
     def has_windowed_group(self) -> bool:

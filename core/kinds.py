@@ -27,6 +27,9 @@ class GroupKind(enum.Enum):
     them, `extra_retained_tokens` more below)."""
     MAMBA = "mamba"
     """Only the recurrent state after the previous token."""
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    """Only the earlier tokens of its own attention chunk (`attention_chunk_size` tokens,
+    aligned to the start of the request), as Llama 4's local layers."""
 
 
 class Scan(enum.Enum):
@@ -37,6 +40,10 @@ class Scan(enum.Enum):
     valid at every lower boundary too, so never examined again."""
     WINDOW = "window"
     """Valid where the run of chunks ending at the boundary is complete: a scan from the right,
+    examined again whenever another group moves the boundary down."""
+    ATTENTION_CHUNK = "attention_chunk"
+    """Valid where every chunk from the start of the boundary's attention chunk is present,
+    and always at such a start (nothing is needed there): a prefix scan from that start,
     examined again whenever another group moves the boundary down."""
 
 
@@ -53,10 +60,10 @@ class KindRule:
     """`(spec, t) -> first`: to compute token `t` (and on), the group needs tokens
     `[first, t)` and nothing below `first`. An engine frees (nulls) the blocks wholly below
     `first` once `t` tokens are computed, so it is also where null blocks end."""
-    reach: Callable[[GroupSpec], int] | None
-    """`spec -> tokens`: how many tokens before `t` the group needs wherever `t` is far enough
-    from the start (`first_needed_token` is then `t - reach`); None when it needs every
-    earlier token."""
+    window_tokens: Callable[[GroupSpec], int] | None
+    """`spec -> tokens`: the most tokens before `t` the group ever needs; None when it needs
+    every earlier token. For a kind scanned as a window it is exactly what it needs wherever
+    `t` is far enough from the start (`first_needed_token` is then `t - window_tokens`)."""
     scan: Scan
     """How a lookup finds this group's largest valid boundary."""
     boundary_on_grid: bool
@@ -68,24 +75,24 @@ class KindRule:
     def windowed(self) -> bool:
         """Return True when the group needs only some earlier tokens (null blocks below them
         are expected): its boundary must be exactly where the engine resumes."""
-        return self.reach is not None
+        return self.window_tokens is not None
 
 
 def _every_earlier_token(spec: GroupSpec, t: int) -> int:
     return 0
 
 
-def _window_reach(spec: GroupSpec) -> int:
+def _window_tokens(spec: GroupSpec) -> int:
     # Token t attends to itself and the w - 1 tokens before it; an engine that retains extra
     # tokens below the window (several draft modules re-prefill them) keeps their blocks too.
     return (spec.sliding_window or 1) - 1 + spec.extra_retained_tokens
 
 
 def _window_start(spec: GroupSpec, t: int) -> int:
-    return max(0, t - _window_reach(spec))
+    return max(0, t - _window_tokens(spec))
 
 
-def _state_reach(spec: GroupSpec) -> int:
+def _state_tokens(spec: GroupSpec) -> int:
     return 1
 
 
@@ -94,11 +101,20 @@ def _state_start(spec: GroupSpec, t: int) -> int:
     return max(0, t - 1)
 
 
+def _attention_chunk_tokens(spec: GroupSpec) -> int:
+    return (spec.attention_chunk_size or 1) - 1
+
+
+def _attention_chunk_start(spec: GroupSpec, t: int) -> int:
+    size = spec.attention_chunk_size or 1
+    return t - t % size
+
+
 KIND_RULES: dict[GroupKind, KindRule] = {
     GroupKind.FULL_ATTENTION: KindRule(
         parameters=(),
         first_needed_token=_every_earlier_token,
-        reach=None,
+        window_tokens=None,
         scan=Scan.PREFIX,
         boundary_on_grid=False,
         recurrent_state=False,
@@ -107,7 +123,7 @@ KIND_RULES: dict[GroupKind, KindRule] = {
         parameters=("sliding_window",),
         optional_parameters=("extra_retained_tokens",),
         first_needed_token=_window_start,
-        reach=_window_reach,
+        window_tokens=_window_tokens,
         scan=Scan.WINDOW,
         boundary_on_grid=False,
         recurrent_state=False,
@@ -115,15 +131,27 @@ KIND_RULES: dict[GroupKind, KindRule] = {
     GroupKind.MAMBA: KindRule(
         parameters=(),
         first_needed_token=_state_start,
-        reach=_state_reach,
+        window_tokens=_state_tokens,
         scan=Scan.WINDOW,
         boundary_on_grid=True,
         recurrent_state=True,
+    ),
+    GroupKind.CHUNKED_LOCAL_ATTENTION: KindRule(
+        parameters=("attention_chunk_size",),
+        first_needed_token=_attention_chunk_start,
+        window_tokens=_attention_chunk_tokens,
+        scan=Scan.ATTENTION_CHUNK,
+        boundary_on_grid=False,
+        recurrent_state=False,
     ),
 }
 """The rules table: one row per kind; `tests/test_kinds.py` checks every row against its
 documented meaning."""
 
-PARAMETER_DEFAULTS: dict[str, int | None] = {"sliding_window": None, "extra_retained_tokens": 0}
+PARAMETER_DEFAULTS: dict[str, int | None] = {
+    "sliding_window": None,
+    "extra_retained_tokens": 0,
+    "attention_chunk_size": None,
+}
 """Every kind parameter a `GroupSpec` has, with the value it keeps when its kind does not use
 it."""

@@ -101,8 +101,9 @@ class _Group:
     spec: GroupSpec
     rule: KindRule
     chunk: int
-    reach: int
-    """Tokens before a boundary the group needs (`KindRule.reach`); 0 for full attention."""
+    window_tokens: int
+    """The most tokens before a boundary the group needs (`KindRule.window_tokens`); 0 for
+    full attention."""
     window_chunks: int
     start: int
     num_keys: int
@@ -157,6 +158,20 @@ def _scan_window(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
     return start * group.chunk
 
 
+def _scan_attention_chunk(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
+    """Return the largest boundary `<= boundary` at which the group has every chunk holding
+    the boundary's attention chunk so far: up to the first chunk missing from that chunk's
+    start (a prefix scan from there), or else that start itself, which needs nothing."""
+    lo, end = group.needed_chunks(boundary)
+    if lo >= end:
+        return boundary
+    statuses.fetch(lo, end)
+    miss = statuses.first_miss(lo, end)
+    if miss == end:
+        return boundary
+    return max(group.spec.first_needed_token(boundary), miss * group.chunk)
+
+
 def lookup(
     config: OffloadConfig,
     state: RequestState,
@@ -196,19 +211,23 @@ def lookup(
                 spec=spec,
                 rule=rule,
                 chunk=config.chunk_tokens(g),
-                reach=0 if rule.reach is None else rule.reach(spec),
+                window_tokens=0 if rule.window_tokens is None else rule.window_tokens(spec),
                 window_chunks=config.window_chunks(g),
                 start=num_computed_tokens // config.chunk_tokens(g),
                 num_keys=len(state.keys[g]),
             )
         )
     statuses = [_GroupStatuses(tier, keys) for keys in state.keys]
-    scans = {Scan.PREFIX: _scan_prefix, Scan.WINDOW: _scan_window}
+    scans = {
+        Scan.PREFIX: _scan_prefix,
+        Scan.WINDOW: _scan_window,
+        Scan.ATTENTION_CHUNK: _scan_attention_chunk,
+    }
     prefix = [g for g in groups if g.rule.scan is Scan.PREFIX]
     # Widest windows first: they are the likeliest to shrink the boundary for the others.
     others = sorted(
         (g for g in groups if g.rule.scan is not Scan.PREFIX),
-        key=lambda g: (-g.reach, g.rule.boundary_on_grid, g.index),
+        key=lambda g: (-g.window_tokens, g.rule.boundary_on_grid, g.index),
     )
 
     boundary = num_tokens - (1 if config.has_windowed_group else 0)

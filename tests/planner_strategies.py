@@ -134,7 +134,11 @@ class StoreCase:
 
 
 _KINDS = tuple(GroupKind)
-PARAMETER_SPANS: dict[str, int] = {"sliding_window": 3, "extra_retained_tokens": 1}
+PARAMETER_SPANS: dict[str, int] = {
+    "sliding_window": 3,
+    "extra_retained_tokens": 1,
+    "attention_chunk_size": 3,
+}
 """Per kind parameter, how many chunks (plus a token or two) its drawn values span: from 1
 (0 for an optional one) up to that, on and off the chunk grid."""
 _CONFIG_BYTES = 2 + 3 * 4

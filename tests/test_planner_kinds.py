@@ -43,13 +43,16 @@ def test_first_needed_token_never_passes_the_token_and_never_moves_back(kind: Gr
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
-def test_reach_is_what_the_first_needed_token_trails_by(kind: GroupKind) -> None:
+def test_window_tokens_bound_what_the_group_needs(kind: GroupKind) -> None:
     spec = spec_of(kind)
-    reach = KIND_RULES[kind].reach
-    if reach is None:
+    rule = KIND_RULES[kind]
+    if rule.window_tokens is None:
         assert all(spec.first_needed_token(t) == 0 for t in range(100))
-    else:
-        assert all(spec.first_needed_token(t) == max(0, t - reach(spec)) for t in range(100))
+        return
+    window = rule.window_tokens(spec)
+    assert all(t - spec.first_needed_token(t) <= window for t in range(100))
+    if rule.scan is Scan.WINDOW:  # exactly the window, wherever it fits
+        assert all(spec.first_needed_token(t) == max(0, t - window) for t in range(100))
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
@@ -118,6 +121,11 @@ def test_window_chunks_count_retained_tokens_too() -> None:
 def test_mamba_needs_the_state_after_the_previous_token() -> None:
     spec = GroupSpec(kind=GroupKind.MAMBA, block_size=4)
     assert [spec.first_needed_token(t) for t in (0, 1, 8)] == [0, 0, 7]
+
+
+def test_chunked_local_attention_needs_its_attention_chunk_so_far() -> None:
+    spec = GroupSpec(kind=GroupKind.CHUNKED_LOCAL_ATTENTION, block_size=4, attention_chunk_size=8)
+    assert [spec.first_needed_token(t) for t in (0, 7, 8, 13, 16)] == [0, 0, 8, 8, 16]
 
 
 def test_window_chunks_count_the_w_minus_one_tokens_on_the_grid() -> None:

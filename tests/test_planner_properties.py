@@ -118,7 +118,8 @@ def needed_tokens(config: OffloadConfig, group: int, boundary: int) -> range:
     """Return the tokens `group` must hold to compute from token `boundary` on (the documented
     rule, written here independently of core): every earlier token for full attention, the
     `w - 1` before it for a sliding window of `w` (and the `e` extra retained tokens below
-    those), the state after token `boundary - 1` (held with that token's block) for Mamba."""
+    those), the state after token `boundary - 1` (held with that token's block) for Mamba, the
+    earlier tokens of its attention chunk for chunked local attention."""
     spec = config.groups[group]
     if spec.kind is GroupKind.SLIDING_WINDOW:
         assert spec.sliding_window is not None
@@ -126,6 +127,9 @@ def needed_tokens(config: OffloadConfig, group: int, boundary: int) -> range:
         return range(max(0, boundary - reach), boundary)
     if spec.kind is GroupKind.MAMBA:
         return range(max(0, boundary - 1), boundary)
+    if spec.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
+        assert spec.attention_chunk_size is not None
+        return range(boundary - boundary % spec.attention_chunk_size, boundary)
     return range(boundary)
 
 

@@ -60,6 +60,11 @@ class ChunkedLocalAttentionSpec:
 
 
 @dataclass
+class CrossAttentionSpec:
+    block_size: int
+
+
+@dataclass
 class Request:
     request_id: str
     num_tokens: int
@@ -197,10 +202,19 @@ def test_full_attention_spec_with_a_window_stays_full_attention() -> None:
     assert config.groups[0].sliding_window is None
 
 
+def test_chunked_local_attention_spec_brings_its_attention_chunk_size() -> None:
+    config = offload_config_from_vllm(
+        kv_cache_config(FullAttentionSpec(16), ChunkedLocalAttentionSpec(16, 64)),
+        hash_block_size=16,
+    )
+    assert config.groups[1].kind is GroupKind.CHUNKED_LOCAL_ATTENTION
+    assert config.groups[1].attention_chunk_size == 64
+
+
 def test_unknown_spec_class_is_refused_naming_the_group() -> None:
-    with pytest.raises(InvalidInputError, match=r"group 1.*ChunkedLocalAttentionSpec"):
+    with pytest.raises(InvalidInputError, match=r"group 1.*CrossAttentionSpec"):
         offload_config_from_vllm(
-            kv_cache_config(FullAttentionSpec(16), ChunkedLocalAttentionSpec(16, 64)),
+            kv_cache_config(FullAttentionSpec(16), CrossAttentionSpec(16)),
             hash_block_size=16,
         )
 
