@@ -215,6 +215,7 @@ class DemoEngine:
             self._waiting.append(self._new(turn))
         while self._waiting or self._running:
             self._step()
+        self._store([])  # the last stores of the requests that finished last
         self._drain()
         return self.tally
 
@@ -229,6 +230,7 @@ class DemoEngine:
         self._collect(self._ranks.poll())
         self._admit()
         if not self._running:
+            self._store([])  # the last stores of requests that finished, if any
             if not self._jobs:
                 head = self._waiting[0].turn.request_id if self._waiting else "none"
                 raise EngineStalledError(
@@ -475,6 +477,8 @@ class DemoEngine:
             self._jobs[job.job_id] = job
             self.tally.store_jobs += 1
         self._ranks.submit(step.jobs)
+        if step.released:  # last stores given up: their requests' blocks are free now
+            self._release_deferred()
 
     def _advance(self, request: _Request, count: int) -> None:
         """After the forward pass: sample, cache complete blocks, drop blocks the groups no
@@ -517,7 +521,15 @@ class DemoEngine:
     def _finish(self, request: _Request) -> None:
         self._running.remove(request)
         self._register(request)
-        gate = self._session.finish(request.turn.request_id)
+        last = RunningRequest(  # offer once more what is not stored yet
+            request_id=request.turn.request_id,
+            blocks=[_group_blocks(table) for table in request.tables],
+            num_computed_tokens=request.computed,
+            num_scheduled_tokens=0,
+            num_tokens=request.num_tokens,
+            block_hashes=request.hashes,
+        )
+        gate = self._session.finish(request.turn.request_id, last=last)
         self._free_tables(request, gate)
         self.tally.finished += 1
         following = self._workload.next_turn(request.turn)
@@ -561,6 +573,10 @@ class DemoEngine:
                     self.tally.load_seconds += result.seconds
         for job_id in report_all(self._session, completions).completed:
             del self._jobs[job_id]
+        self._release_deferred()
+
+    def _release_deferred(self) -> None:
+        """Free the deferred blocks whose gating jobs are all complete."""
         live = self._session.in_flight()
         still = []
         for gate, group, blocks in self._deferred:

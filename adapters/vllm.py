@@ -292,6 +292,7 @@ class KvferryConnectorScheduler:
         self._ready_now: set[str] = set()
         self._refused: list[RecomputeRange] = []
         self._held: set[str] = set()
+        self._released: set[str] = set()
 
     @property
     def session(self) -> OffloadSession:
@@ -419,6 +420,7 @@ class KvferryConnectorScheduler:
                 )
             )
         step = self._session.start_stores(running)
+        self._released.update(step.released)
         jobs, self._loads = [*self._loads, *step.jobs], []
         return ConnectorMetadata(jobs=encode_jobs(jobs), flush=tuple(sorted(flush)))
 
@@ -441,7 +443,8 @@ class KvferryConnectorScheduler:
             failed.extend(report.failed)
             recompute.extend(report.recompute)
             released.extend(report.released)
-        sending = self._held.intersection(released)
+        sending = self._held.intersection(released) | self._held.intersection(self._released)
+        self._released.clear()
         self._held -= sending
         return ConnectorOutput(
             finished_recving=frozenset(recving),
@@ -457,11 +460,35 @@ class KvferryConnectorScheduler:
         blocks, loads write them) and whether vLLM must hold its blocks until
         `update_connector_output` lists it in `finished_sending`.
 
+        The request's chunks not stored yet (completed by its last step, or refused earlier
+        for lack of room) are offered once more from the table kept for it, covering the
+        tokens whose KV exists (`num_computed_tokens`, at most `num_tokens - 1`: the last
+        sampled token has none); that store is shipped by the next `build_connector_meta`.
         vLLM's second element is `kv_transfer_params`; kvferry has none and names the jobs.
         `block_ids` is accepted for vLLM's signature and not read.
         """
         rid = request.request_id
-        jobs = self._session.finish(rid)
+        kept = self._tables.get(rid)
+        last = None
+        if kept is not None:
+            computed = max(
+                0,
+                min(
+                    int(getattr(request, "num_computed_tokens", request.num_tokens - 1)),
+                    request.num_tokens - 1,
+                ),
+            )
+            last = RunningRequest(
+                request_id=rid,
+                blocks=group_blocks_from_ids(
+                    self._session.config, kept, num_computed_tokens=computed
+                ),
+                num_computed_tokens=computed,
+                num_scheduled_tokens=0,
+                num_tokens=request.num_tokens,
+                block_hashes=request.block_hashes,
+            )
+        jobs = self._session.finish(rid, last=last)
         for table in (self._requests, self._computed, self._tables):
             table.pop(rid, None)
         self._ready_now.discard(rid)
