@@ -447,3 +447,50 @@ def store_after_load(case: LoadCase, state_after_load: RequestState, tier: FakeT
         look.num_tokens,
         tier,
     )
+
+
+@dataclass(frozen=True)
+class SharedPrefixCase:
+    """An earlier request that stored its chunks in one step, and a later request sharing
+    its tokens: the later one's lookup, against the tier the earlier one's store filled."""
+
+    later: LookupCase
+    """The later request; its `tier` holds every complete chunk of the earlier request."""
+    earlier: StoreCase
+    """The earlier request's one step: all its tokens computed at once into fresh blocks,
+    with an empty tier of unbounded room."""
+
+
+@st.composite
+def shared_prefix_cases(draw: st.DrawFn) -> SharedPrefixCase:
+    """Return two requests of one token chain: the earlier one `shared` tokens long, stored
+    in one prefill step; the later one of any length, with any GPU prefix. The later case's
+    tier holds every complete chunk of every group of the earlier request."""
+    config = draw(configs())
+    largest = max(chunk_sizes(config))
+    shared = _between(draw, 0, 5 * largest, from_high=True)
+    num_tokens = _between(draw, 0, 5 * largest, from_high=True)
+    hashes = hashes_for(config, max(shared, num_tokens))
+    before = hashes[: shared // config.hash_block_size]
+    earlier_state = new_request_state(
+        config, "req-0", num_prompt_tokens=shared, block_hashes=before
+    )
+    blocks = engine_blocks(
+        config,
+        num_computed_tokens=0,
+        null_at=0,
+        alloc_tokens=[shared] * config.num_groups,
+        free_lag=0,
+        own_window=False,
+        ids=_shuffled_ids(draw, sum(ceil_div(shared, s.block_size) for s in config.groups)),
+    )
+    earlier = StoreCase(config, earlier_state, blocks, 0, shared, shared, FakeTier({}, None))
+    later_state = new_request_state(
+        config,
+        "req-1",
+        num_prompt_tokens=num_tokens,
+        block_hashes=hashes[: num_tokens // config.hash_block_size],
+    )
+    everything = FakeTier({key: HIT for keys in earlier_state.keys for key in keys}, None)
+    nc = _between(draw, 0, num_tokens, skew=True)
+    return SharedPrefixCase(LookupCase(config, later_state, num_tokens, nc, everything), earlier)

@@ -6,10 +6,11 @@ the principle of DESIGN §4.1, not from the scanning algorithm in core/lookup.py
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from hypothesis import Phase, given
+from hypothesis import Phase, assume, given
 from hypothesis import strategies as st
 from planner_strategies import (
     HIT,
@@ -17,11 +18,13 @@ from planner_strategies import (
     FakeTier,
     LoadCase,
     LookupCase,
+    SharedPrefixCase,
     StoreCase,
     ceil_div,
     copy_blocks,
     load_cases,
     lookup_cases,
+    shared_prefix_cases,
     store_after_load,
     store_cases,
 )
@@ -495,6 +498,22 @@ def test_store_never_moves_a_cursor_backwards(case: StoreCase) -> None:
     decision = run_store(case)
     for old, new in zip(case.state.store_cursor, decision.state.store_cursor, strict=True):
         assert new >= old
+
+
+@given(shared_prefix_cases())
+def test_a_stored_request_serves_every_lookup_every_chunk_of_it_would(
+    case: SharedPrefixCase,
+) -> None:
+    # The store passes over windowed chunks no lookup can load (docs/semantics.md, "Which
+    # windowed chunks are stored"); a later request sharing the tokens then finds what it would
+    # find with every chunk in the tier. Left out on purpose: a prompt whose length is a
+    # multiple of every chunk size resumes at its last token, off every grid.
+    config, later = case.later.config, case.later
+    unit = math.lcm(*chunk_sizes(config))
+    assume(not config.has_windowed_group or later.num_tokens % unit)
+    stored = run_store(case.earlier).plan
+    kept = FakeTier({key: HIT for key in (stored.keys if stored else ())}, None)
+    assert run_lookup(later, kept) == run_lookup(later)
 
 
 @given(load_cases())
