@@ -136,6 +136,8 @@ class _Request:
     hashes: list[bytes] = attrs.field(factory=list)
     """Block hashes of the `num_tokens` tokens."""
     admitted_once: bool = False
+    counted: list[int] = attrs.field(factory=list)
+    """Per group, the chunks whose store worth was counted (`EngineTally.windowed_*`)."""
 
 
 @attrs.define
@@ -157,6 +159,12 @@ class EngineTally:
     load_seconds: float = 0.0
     windowed_bytes_loaded: int = 0
     windowed_bytes_all_blocks: int = 0
+    windowed_chunks_complete: int = 0
+    """Chunks of windowed groups completed with real blocks (what a store could copy)."""
+    windowed_chunks_not_stored: int = 0
+    """Those of them in no window a lookup can load, which kvferry does not store."""
+    windowed_bytes_complete: int = 0
+    windowed_bytes_not_stored: int = 0
     finished: int = 0
 
 
@@ -443,6 +451,7 @@ class DemoEngine:
         self._free_tables(request, gate)
         self._running.remove(request)
         request.computed = 0
+        request.counted = []
         self._waiting.appendleft(request)
         self.tally.preemptions += 1
 
@@ -473,12 +482,36 @@ class DemoEngine:
             )
             for request in self._running
         )
+        for request in self._running:
+            self._count_windowed_chunks(request, request.computed + counts.get(id(request), 0))
         for job in step.jobs:
             self._jobs[job.job_id] = job
             self.tally.store_jobs += 1
         self._ranks.submit(step.jobs)
         if step.released:  # last stores given up: their requests' blocks are free now
             self._release_deferred()
+
+    def _count_windowed_chunks(self, request: _Request, done: int) -> None:
+        """Count the windowed groups' chunks that `done` computed tokens complete, and those of
+        them kvferry passes over as no lookup can load them."""
+        if not self._config.store_decoded_tokens:
+            done = min(done, request.turn.prompt_tokens)
+        f = self._config.blocks_per_chunk
+        if not request.counted:
+            request.counted = [0] * len(self._pools)
+        for g, spec in enumerate(self._config.groups):
+            end = min(done, request.num_tokens) // self._config.chunk_tokens(g)
+            if spec.rule.windowed:
+                table = request.tables[g]
+                for j in range(request.counted[g], min(end, len(table) // f)):
+                    if NULL in table[j * f : (j + 1) * f]:
+                        continue
+                    self.tally.windowed_chunks_complete += 1
+                    self.tally.windowed_bytes_complete += f * self._page_bytes[g]
+                    if not self._config.keeps_chunk(g, j):
+                        self.tally.windowed_chunks_not_stored += 1
+                        self.tally.windowed_bytes_not_stored += f * self._page_bytes[g]
+            request.counted[g] = max(request.counted[g], end)
 
     def _advance(self, request: _Request, count: int) -> None:
         """After the forward pass: sample, cache complete blocks, drop blocks the groups no

@@ -10,6 +10,7 @@ import attrs
 from kvferry.core.checks import at_least
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.kinds import KIND_RULES, PARAMETER_DEFAULTS, GroupKind, KindRule
+from kvferry.core.reach import KeptChunks, kept_chunks
 
 __all__ = ["GroupKind", "GroupSpec", "OffloadConfig"]
 
@@ -92,6 +93,8 @@ class OffloadConfig:
 
     _chunk_tokens: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
     """`C_g` per group, computed once (hot paths read it every step)."""
+    _kept: tuple[KeptChunks, ...] = attrs.field(init=False, repr=False, eq=False)
+    """Per group, which chunks are worth storing (`kept_chunks`), computed once."""
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -110,6 +113,7 @@ class OffloadConfig:
                 )
         chunk_tokens = tuple(self.blocks_per_chunk * g.block_size for g in self.groups)
         object.__setattr__(self, "_chunk_tokens", chunk_tokens)
+        object.__setattr__(self, "_kept", kept_chunks(self.groups, chunk_tokens))
 
     @property
     def num_groups(self) -> int:
@@ -137,6 +141,17 @@ class OffloadConfig:
         spec = self.groups[group]
         window_tokens = spec.rule.window_tokens
         return 0 if window_tokens is None else -(-window_tokens(spec) // self.chunk_tokens(group))
+
+    def keeps_chunk(self, group: int, chunk: int) -> bool:
+        """Return True when chunk `chunk` of `group` is worth storing: every chunk of a
+        full-attention group; of a windowed group, one inside the window of some boundary a
+        lookup can answer (docs/semantics.md, "Which windowed chunks are stored")."""
+        kept = self._kept[group]
+        return kept is None or chunk % kept[0] in kept[1]
+
+    def keeps_every_chunk(self, group: int) -> bool:
+        """Return True when every chunk of `group` is worth storing (`keeps_chunk`)."""
+        return self._kept[group] is None
 
     @property
     def has_windowed_group(self) -> bool:

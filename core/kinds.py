@@ -70,6 +70,9 @@ class KindRule:
     """The group resumes only at its own chunk ends (what it holds exists only there)."""
     recurrent_state: bool
     """A block holds one state of the whole prefix rather than the KV of its own tokens."""
+    restarts: Callable[[GroupSpec], int] | None = None
+    """`spec -> tokens`: the group needs no earlier token at every multiple of this (its
+    attention restarts there); None when it never does."""
 
     @property
     def windowed(self) -> bool:
@@ -105,9 +108,12 @@ def _attention_chunk_tokens(spec: GroupSpec) -> int:
     return (spec.attention_chunk_size or 1) - 1
 
 
+def _attention_chunk_size(spec: GroupSpec) -> int:
+    return spec.attention_chunk_size or 1
+
+
 def _attention_chunk_start(spec: GroupSpec, t: int) -> int:
-    size = spec.attention_chunk_size or 1
-    return t - t % size
+    return t - t % _attention_chunk_size(spec)
 
 
 KIND_RULES: dict[GroupKind, KindRule] = {
@@ -143,6 +149,7 @@ KIND_RULES: dict[GroupKind, KindRule] = {
         scan=Scan.ATTENTION_CHUNK,
         boundary_on_grid=False,
         recurrent_state=False,
+        restarts=_attention_chunk_size,
     ),
 }
 """The rules table: one row per kind; `tests/test_kinds.py` checks every row against its

@@ -310,6 +310,8 @@ def plan_store(
             continue
         ends[g] = end
         chunks = _candidate_chunks(request, g, blocks[g], cursor, end, f=f)
+        if not config.keeps_every_chunk(g):  # only windows some lookup can load
+            chunks = [j for j in chunks if config.keeps_chunk(g, j)]
         if chunks:
             per_group.append((g, chunks))
             chain = chains[g]

@@ -453,7 +453,8 @@ def test_store_never_plans_a_key_the_tier_has(case: StoreCase) -> None:
 @given(store_cases())
 def test_store_plans_every_new_complete_real_chunk(case: StoreCase) -> None:
     # The other side of the three above: every complete chunk from the cursor on, with real
-    # blocks and missing from the tier, is stored when there is room.
+    # blocks, missing from the tier and worth storing (of a windowed group: in the window of a
+    # boundary a lookup can answer), is stored when there is room.
     decision = run_store(case)
     f = case.config.blocks_per_chunk
     wanted = []
@@ -461,7 +462,8 @@ def test_store_plans_every_new_complete_real_chunk(case: StoreCase) -> None:
         end = min(case.done // case.config.chunk_tokens(g), len(keys))
         for j in range(case.state.store_cursor[g], end):
             real = not case.blocks[g].is_null[j * f : (j + 1) * f].any()
-            if real and case.tier.statuses([keys[j]]) == [KeyStatus.MISS]:
+            useful = case.config.keeps_chunk(g, j)
+            if real and useful and case.tier.statuses([keys[j]]) == [KeyStatus.MISS]:
                 wanted.append(keys[j])
     if not wanted:
         assert decision.outcome is StoreOutcome.NOTHING
