@@ -20,7 +20,7 @@ from kvferry.core.keys import OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
-from kvferry.core.state import RequestState, extend_keys, new_request_state
+from kvferry.core.state import RequestState, check_hash_count, extend_keys, new_request_state
 from kvferry.core.store import StoreDecision, StoreOutcome, due_for_store, plan_store
 
 
@@ -228,6 +228,7 @@ class OffloadSession:
         """
         known = self._requests.get(request_id)
         before = None if known is None else (known.state, known.num_hashes)
+        check_hash_count(self._config, request_id, len(block_hashes), num_tokens)
         request = self._known(
             request_id,
             block_hashes,
@@ -350,6 +351,9 @@ class OffloadSession:
     def _known_running(self, running: RunningRequest) -> _Request:
         """Return the session's record of a running request, created or with its keys
         extended to the request's hashes."""
+        check_hash_count(
+            self._config, running.request_id, len(running.block_hashes), running.num_tokens
+        )
         return self._known(
             running.request_id,
             running.block_hashes,
@@ -519,6 +523,7 @@ class OffloadSession:
                 expected=f"a RunningRequest of request {request_id!r}",
                 got=last,
             )
+        check_hash_count(self._config, request_id, len(last.block_hashes), last.num_tokens)
         before = (request.state, request.num_hashes)
         if len(last.block_hashes) != request.num_hashes:
             request.state = extend_keys(self._config, request.state, last.block_hashes)

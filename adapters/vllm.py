@@ -311,21 +311,9 @@ class KvferryConnectorScheduler:
         later steps read its growing `block_hashes` and `num_tokens`.
         """
         rid = request.request_id
-        hashes = request.block_hashes
-        full_blocks = request.num_tokens // self._session.config.hash_block_size
-        if len(hashes) > full_blocks:
-            raise InvalidInputError(
-                request=rid,
-                field="block_hashes",
-                expected=(
-                    f"at most {full_blocks} hashes for {request.num_tokens} tokens "
-                    f"(hash_block_size={self._session.config.hash_block_size}: is it the engine's?)"
-                ),
-                got=len(hashes),
-            )
-        result = self._session.lookup(
+        result = self._session.lookup(  # refuses a hash count other than the tokens need
             rid,
-            block_hashes=hashes,
+            block_hashes=request.block_hashes,
             num_tokens=request.num_tokens,
             num_computed_tokens=num_computed_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
