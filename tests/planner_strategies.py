@@ -126,7 +126,8 @@ class StoreCase:
 
     @property
     def done(self) -> int:
-        """Return the tokens whose KV exists after this step, capped as DESIGN §4.3 says."""
+        """Return the tokens whose KV exists after this step, capped at the prompt when decoded
+        tokens are not stored (docs/semantics.md, Store)."""
         limit = self.num_tokens
         if not self.config.store_decoded_tokens:
             limit = min(limit, self.state.num_prompt_tokens)

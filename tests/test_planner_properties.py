@@ -1,7 +1,7 @@
-"""Property tests of the planner (issue 2, item 5): invariants over random hybrid requests.
+"""Property tests of the planner: invariants over random hybrid requests.
 
 Each test states one property; the lookup oracle is a brute force over boundaries, written from
-the principle of DESIGN §4.1, not from the scanning algorithm in core/lookup.py.
+the documented rule (docs/semantics.md), not from the scanning algorithm in core/lookup.py.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def ids_flagged(blocks: GroupBlocks, flags: np.ndarray) -> set[int]:
 
 
 # --------------------------------------------------------------------------------------------
-# The lookup oracle (DESIGN §4.1, the principle)
+# The lookup oracle (the rule: the highest boundary where every group has what it needs)
 
 
 def needed_tokens(config: OffloadConfig, group: int, boundary: int) -> range:
@@ -303,7 +303,7 @@ def test_lookup_boundary_is_valid_for_every_group(case: LookupCase) -> None:
 
 @given(lookup_cases())
 def test_lookup_finds_the_highest_valid_boundary(case: LookupCase) -> None:
-    # What DESIGN §4.1 guarantees. Each group's scan returns the highest boundary, no higher
+    # What the lookup guarantees. Each group's scan returns the highest boundary, no higher
     # than the current one, that is valid for that group (a full-attention prefix is valid at
     # every boundary below it; a window valid off its grid is valid at the next grid point too).
     # Shrinking from the top with these monotone steps until nothing moves therefore stops at
@@ -351,7 +351,7 @@ def test_lookup_retries_exactly_when_its_answer_needs_a_pending_key(case: Lookup
 
 
 # --------------------------------------------------------------------------------------------
-# Load after a lookup hit (DESIGN §4.2)
+# Load after a lookup hit
 
 
 @given(load_cases())
@@ -418,7 +418,7 @@ def test_load_never_moves_a_store_cursor_backwards(case: LoadCase) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Store (DESIGN §4.3)
+# Store
 
 
 @given(store_cases())
