@@ -196,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `kvferry` command; return its exit status (1: a run failed, e.g. a page did not
-    verify, the demo verified no page, a worker process died or a benchmark stopped on an error; 2: bad input; 3: every
-    benchmark asked for was skipped, as it needs a CUDA GPU)."""
+    verify, the demo verified no page, a worker process died or a benchmark stopped on an error;
+    2: bad input; 3: every benchmark asked for was skipped, as it needs a CUDA GPU)."""
     from kvferry.adapters.demo_engine import EngineStalledError
     from kvferry.adapters.demo_verify import VerificationFailedError
     from kvferry.adapters.workers import WorkerError
