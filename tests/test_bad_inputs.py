@@ -469,6 +469,31 @@ CASES = [
         "cpu_rows",
         request="r2",
     ),
+    Case(
+        "negative job id",
+        lambda w: _rebound(w.load_job, job_id=-1),
+        BAD,
+        "job_id",
+        request="r2",
+    ),
+    Case(
+        "job result: success as a string",
+        lambda w: JobResult(job_id=1, success="false", nbytes=0, seconds=0.0),
+        BAD,
+        "success",
+    ),
+    Case(
+        "job result: negative bytes",
+        lambda w: JobResult(job_id=1, success=True, nbytes=-1, seconds=0.0),
+        BAD,
+        "nbytes",
+    ),
+    Case(
+        "job result: seconds not finite",
+        lambda w: JobResult(job_id=1, success=True, nbytes=0, seconds=float("inf")),
+        BAD,
+        "seconds",
+    ),
     # -- planner functions -------------------------------------------------------------------
     Case(
         "negative prompt length",
