@@ -1029,20 +1029,21 @@ CASES = [
             )
         ),
         BAD,
-        "job_id",
+        "jobs[0].job_id",
+        request="r2",
     ),
     Case(
         "message: a CPU row as a float",
         lambda w: messages.decode_jobs(_edit_jobs(w.load_job, cpu_rows=[0.5])),
-        BROKEN,
-        "cpu_rows",
+        BAD,
+        "jobs[0].cpu_rows[0]",
         request="r2",
     ),
     Case(
         "message: a GPU block id as a float",
         lambda w: messages.decode_jobs(_edit_jobs(w.load_job, gpu_block_ids=[2.0])),
-        BROKEN,
-        "gpu_block_ids",
+        BAD,
+        "jobs[0].plan.gpu_block_ids[0]",
         request="r2",
     ),
     Case(
@@ -1074,7 +1075,38 @@ CASES = [
             ).replace(b"0.5", b"NaN")
         ),
         BAD,
-        "seconds",
+        "message",
+        words=("finite number", "NaN"),
+    ),
+    Case(
+        "message: a negative byte count",
+        lambda w: messages.decode_completions(
+            messages.encode_completions(
+                0, [JobResult(job_id=1, success=True, nbytes=5, seconds=0.5)]
+            ).replace(b'"nbytes": 5', b'"nbytes": -5')
+        ),
+        BAD,
+        "results[0].nbytes",
+    ),
+    Case(
+        "message: a plan without a direction",
+        lambda w: messages.decode_jobs(
+            messages.encode_jobs([w.load_job]).replace(b'"direction": "load",', b"")
+        ),
+        BAD,
+        "jobs[0].plan.direction",
+        request="r2",
+    ),
+    Case(
+        "message: a misspelled field",
+        lambda w: messages.decode_jobs(
+            messages.encode_jobs([w.store_job]).replace(
+                b'"layout_fingerprint"', b'"layout_fingerprnt"'
+            )
+        ),
+        BAD,
+        "jobs[0].layout_fingerprnt",
+        words=("did you mean 'layout_fingerprint'",),
     ),
 ]
 
