@@ -36,7 +36,10 @@ _UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
-_SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+MAX_NUMBER = (1 << 63) - 1
+"""Largest count or byte count a setting takes (what a signed 64-bit integer holds)."""
+_SIZE = re.compile(r"\s*([0-9]{1,19})\s*([a-zA-Z]*)\s*", re.ASCII)
+_COUNT = re.compile(r"\s*([0-9]{1,19})\s*", re.ASCII)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -46,21 +49,24 @@ def _bad(key: str, expected: str, got: object) -> InvalidInputError:
 
 
 def parse_bytes(key: str, value: object) -> int:
-    """Return a byte count from an integer or a string such as "512MiB" or "8 GB"."""
-    expected = "a byte count >= 1: an integer or a string such as '512MiB', '8GB'"
+    """Return a byte count from an integer or a string such as "512MiB" or "8 GB" (ASCII
+    digits, at most MAX_NUMBER bytes)."""
+    expected = (
+        f"a byte count >= 1 (at most {MAX_NUMBER}): an integer or a string such as '512MiB', '8GB'"
+    )
     if isinstance(value, bool):
         raise _bad(key, expected, value)
     if isinstance(value, int):
         number = value
     elif isinstance(value, str):
-        match = _SIZE.match(value)
+        match = _SIZE.fullmatch(value)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
             raise _bad(key, expected + " (units: " + ", ".join(u for u in _UNITS if u) + ")", value)
         number = int(match.group(1)) * _UNITS[unit]
     else:
         raise _bad(key, expected, value)
-    if number < 1:
+    if not 1 <= number <= MAX_NUMBER:
         raise _bad(key, expected, value)
     return number
 
@@ -87,11 +93,13 @@ def _parse_policy(key: str, value: object) -> EvictionPolicyKind:
 
 
 def _parse_positive(key: str, value: object) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(key, "an integer >= 1", value)
-    return value
+    number = value
+    if isinstance(value, str):  # ASCII digits only: "²".isdigit() is True, int("²") fails
+        match = _COUNT.fullmatch(value)
+        number = int(match.group(1)) if match else None
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= MAX_NUMBER:
+        raise _bad(key, f"an integer >= 1 (at most {MAX_NUMBER})", value)
+    return number
 
 
 def _parse_bool(key: str, value: object) -> bool:
@@ -127,6 +135,8 @@ class ConfigKey:
     """Turns a raw value (from a dict, TOML or an environment string) into the typed one."""
     help: str
     """What it selects."""
+    gpu_only: bool = False
+    """Only GPU executors use it: set for a host executor, it is refused (never ignored)."""
 
     @property
     def env(self) -> str:
@@ -184,6 +194,7 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
             allowed="bytes >= 1; unset: the executor's default (GPU executors only)",
             parse=_optional(parse_bytes),
             help="staging buffer per direction of the torch and cupy executors",
+            gpu_only=True,
         ),
         ConfigKey(
             name="submit_thread",
@@ -192,6 +203,7 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
             allowed="true or false (GPU executors only)",
             parse=_parse_bool,
             help="make staged jobs' CUDA calls on a thread of the executor's own",
+            gpu_only=True,
         ),
         ConfigKey(
             name="record_events",
@@ -307,8 +319,22 @@ class KvferryConfig:
             capacity_rows=rows, policy=self.eviction_policy, record_events=self.record_events
         )
 
-    def executor_options(self) -> dict[str, Any]:
-        """Return the backend keyword arguments for `make_executor` that this config sets."""
+    def executor_options(self, *, on_gpu: bool = True) -> dict[str, Any]:
+        """Return the backend keyword arguments for `make_executor` that this config sets.
+
+        With `on_gpu` False (the chosen executor copies host memory), raise InvalidInputError
+        naming a GPU-only key that is set: the executor would not use it.
+        """
+        if not on_gpu:
+            for spec in CONFIG_KEYS.values():
+                value = getattr(self, spec.name)
+                if spec.gpu_only and value != spec.default:
+                    raise _bad(
+                        spec.name,
+                        f"no value with the {self.executor!r} executor (the key applies to GPU "
+                        "executors only: unset it, or choose torch or cupy)",
+                        value,
+                    )
         options: dict[str, Any] = {}
         if self.staging_bytes is not None:
             options["staging_bytes"] = self.staging_bytes

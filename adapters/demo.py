@@ -91,7 +91,7 @@ def _local_ranks(
     pattern = PagePattern(options.seed, cache.max_width())
     row_bytes = build_layout(cache.kv_tensors, f, on_gpu=on_gpu)[0].row_bytes
     catalog_config = config.catalog_config(row_bytes, default_tier_bytes=profile.cpu_tier_bytes)
-    extra: dict[str, Any] = config.executor_options() if on_gpu else {}
+    extra: dict[str, Any] = config.executor_options(on_gpu=on_gpu)
     executor = executor_factory(
         config.executor,
         kv_caches=cache.kv_tensors,
@@ -124,7 +124,7 @@ def _process_ranks(
     factory = DemoShard(
         profile=profile,
         executor=config.executor,
-        executor_options=config.executor_options() if on_gpu else {},
+        executor_options=config.executor_options(on_gpu=on_gpu),
         on_gpu=on_gpu,
         blocks_per_chunk=f,
         num_rows=catalog_config.capacity_rows,
