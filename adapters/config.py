@@ -1,6 +1,7 @@
 """kvferry's configuration: one frozen value from a dict, a TOML file or `KVFERRY_*` variables.
 
-Reads files and the environment only when asked (`from_toml`, `from_env`); validating a value
+Reads files and the environment only when asked (`from_toml`, `from_env`; `catalog_config`
+reads the host's memory size to refuse a tier no host could hold); validating a value
 names the key and the allowed values, and nothing here builds an executor or allocates memory.
 """
 
@@ -19,6 +20,7 @@ import attrs
 from kvferry.core.catalog import CatalogConfig, rows_for_budget
 from kvferry.core.errors import InvalidInputError, UnknownExecutorError, did_you_mean
 from kvferry.core.eviction import EvictionPolicyKind
+from kvferry.executors.host import host_memory_bytes
 from kvferry.executors.registry import executor_class, executor_entries
 
 ENV_PREFIX = "KVFERRY_"
@@ -308,13 +310,16 @@ class KvferryConfig:
         self, bytes_per_row: int, *, default_tier_bytes: int | None = None
     ) -> CatalogConfig:
         """Return the catalog configuration for rows of `bytes_per_row` bytes (the executor
-        layout's `row_bytes`); raise InvalidInputError when the budget holds no row."""
+        layout's `row_bytes`); raise InvalidInputError when the budget holds no row, or more
+        than the host's memory (checked before any executor allocates its tier)."""
         budget = self.cpu_tier_bytes if self.cpu_tier_bytes is not None else default_tier_bytes
         if budget is None:
             raise _bad("cpu_tier_bytes", "a byte budget (no default here)", None)
         rows = rows_for_budget(budget, bytes_per_row)
         if rows < 1:
             raise _bad("cpu_tier_bytes", f"at least one row ({bytes_per_row} bytes)", budget)
+        if rows * bytes_per_row > (memory := host_memory_bytes()):
+            raise _bad("cpu_tier_bytes", f"at most the host's memory ({memory} bytes)", budget)
         return CatalogConfig(
             capacity_rows=rows, policy=self.eviction_policy, record_events=self.record_events
         )
