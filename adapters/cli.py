@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvferry.core.canonical_json import dumps_canonical
-from kvferry.core.codec import parse_object
 from kvferry.core.errors import KvferryError, TransferFailedError
 from kvferry.core.scenario import run_scenario
+from kvferry.core.scenario_schema import MAX_SCENARIO_BYTES, parse_scenario
 
 EXIT_FAILED = 1
 """A run failed: a page did not verify, a transfer failed, a benchmark failed."""
@@ -24,8 +24,9 @@ EXIT_INPUT = 2
 
 
 def _plan(args: argparse.Namespace) -> int:
-    text = Path(args.scenario).read_text(encoding="utf-8")
-    sys.stdout.write(dumps_canonical(run_scenario(parse_object(text))))
+    with Path(args.scenario).open("rb") as file:  # one byte past the limit says "too large"
+        data = file.read(MAX_SCENARIO_BYTES + 1)
+    sys.stdout.write(dumps_canonical(run_scenario(parse_scenario(data))))
     return 0
 
 

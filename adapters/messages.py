@@ -6,9 +6,8 @@ sockets or queues here: the engine carries the bytes however it likes.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -17,8 +16,8 @@ from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.canonical_json import dumps_canonical
 from kvferry.core.checks import at_least
 from kvferry.core.codec import plan_from_dict, plan_to_dict
-from kvferry.core.errors import InvalidInputError, PlanInvariantError, did_you_mean
-from kvferry.core.json_input import parse_json
+from kvferry.core.errors import InvalidInputError
+from kvferry.core.json_input import JsonObject, parse_json
 from kvferry.core.plan import TransferPlan
 
 MESSAGE_VERSION = 1
@@ -61,72 +60,6 @@ _PLAN_FIELDS = (
     "block_indices",
 )
 _RESULT_FIELDS = ("job_id", "success", "nbytes", "seconds", "error")
-_KIND_NAMES = {
-    int: "an integer",
-    float: "a number",
-    bool: "true or false",
-    str: "a string",
-    list: "a list",
-    dict: "an object",
-    type(None): "null",
-}
-
-
-@attrs.frozen
-class _Object:
-    """One JSON object of a message, read strictly: where it is (`jobs[2].plan.`) and the
-    request it belongs to, when known, are named in every refusal."""
-
-    document: Mapping[str, Any]
-    where: str
-    request: str | None = None
-
-    def refuse(self, name: str, expected: str, got: object) -> InvalidInputError:
-        """Return the error for field `name` of this object."""
-        return InvalidInputError(
-            request=self.request, field=self.where + name, expected=expected, got=got
-        )
-
-    def only(self, known: Sequence[str]) -> None:
-        """Raise InvalidInputError for a field not among `known` (a misspelled field would
-        otherwise be ignored, and a check it carries skipped)."""
-        for name in self.document:
-            if name not in known:
-                expected = "one of the fields " + ", ".join(known) + did_you_mean(name, known)
-                raise self.refuse(str(name), expected, self.document[name])
-
-    def get(self, name: str, *kinds: type) -> Any:
-        """Return field `name` when it is present and of one of `kinds` (a bool is never taken
-        for a number)."""
-        if name not in self.document:
-            raise self.refuse(name, "a value", "nothing")
-        value = self.document[name]
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise self.refuse(name, " or ".join(_KIND_NAMES[k] for k in kinds), value)
-        return value
-
-    def integers(self, name: str) -> list[int]:
-        """Return field `name` when it is a list of integers (never bools, floats, strings or
-        nested lists: numpy would take those as another dtype or a ragged array)."""
-        values: list[Any] = self.get(name, list)
-        for index, value in enumerate(values):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise self.refuse(f"{name}[{index}]", "an integer", value)
-        return values
-
-    @contextlib.contextmanager
-    def building(self) -> Iterator[None]:
-        """Name where this object is in the refusal of a value built from it."""
-        try:
-            yield
-        except (InvalidInputError, PlanInvariantError) as error:
-            raise type(error)(
-                request=error.request,
-                group=error.group,
-                field=self.where + error.field,
-                expected=error.expected,
-                got=error.got,
-            ) from None
 
 
 def _encode(kind: MessageKind, fields: Mapping[str, Any]) -> bytes:
@@ -134,7 +67,7 @@ def _encode(kind: MessageKind, fields: Mapping[str, Any]) -> bytes:
     return dumps_canonical(document).encode("utf-8")
 
 
-def _decode(data: bytes, kind: MessageKind, fields: Sequence[str]) -> _Object:
+def _decode(data: bytes, kind: MessageKind, fields: Sequence[str]) -> JsonObject:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidInputError(field="message", expected="bytes", got=type(data).__name__)
     document = parse_json(data, field="message", max_bytes=MAX_MESSAGE_BYTES)
@@ -145,30 +78,21 @@ def _decode(data: bytes, kind: MessageKind, fields: Sequence[str]) -> _Object:
         raise InvalidInputError(field="message_version", expected=str(MESSAGE_VERSION), got=version)
     if document.get("kind") != kind.value:
         raise InvalidInputError(field="kind", expected=repr(kind.value), got=document.get("kind"))
-    message = _Object(document, "")
+    message = JsonObject(document)
     message.only(("message_version", "kind", *fields))
     return message
 
 
-def _entries(message: _Object, name: str) -> Iterator[_Object]:
-    """Yield each object of the list field `name`."""
-    for index, entry in enumerate(message.get(name, list)):
-        if not isinstance(entry, dict):
-            raise message.refuse(f"{name}[{index}]", "an object", entry)
-        yield _Object(entry, f"{name}[{index}].")
-
-
-def _plan(entry: _Object) -> TransferPlan:
+def _plan(entry: JsonObject) -> TransferPlan:
     """Return the plan of a job entry, every field checked for its kind first."""
-    unnamed = _Object(entry.get("plan", dict), entry.where + "plan.")
+    unnamed = entry.child("plan")
     unnamed.only(_PLAN_FIELDS)
-    plan = attrs.evolve(unnamed, request=unnamed.get("request_id", str))
+    plan = unnamed.for_request(unnamed.get("request_id", str))
     plan.get("schema_version", int)
     plan.get("direction", str)
     plan.get("blocks_per_chunk", int)
     for index, key in enumerate(plan.get("keys", list)):
-        if not isinstance(key, str):
-            raise plan.refuse(f"keys[{index}]", "a string", key)
+        plan.check(f"keys[{index}]", key, str)
     for name in ("gpu_block_ids", "group_sizes", "block_indices"):
         plan.integers(name)
     with plan.building():
@@ -193,10 +117,10 @@ def decode_jobs(data: bytes) -> tuple[BoundPlan, ...]:
     """Return the bound plans of an `encode_jobs` message (validated like any plan); raise
     InvalidInputError naming where for anything else, an unknown or missing field included."""
     jobs = []
-    for unnamed in _entries(_decode(data, MessageKind.JOBS, ("jobs",)), "jobs"):
+    for unnamed in _decode(data, MessageKind.JOBS, ("jobs",)).children("jobs"):
         unnamed.only(_JOB_FIELDS)
         plan = _plan(unnamed)
-        entry = attrs.evolve(unnamed, request=plan.request_id)
+        entry = unnamed.for_request(plan.request_id)
         job_id = entry.get("job_id", int)
         rows = entry.integers("cpu_rows")
         fingerprint = entry.get("layout_fingerprint", str, type(None))
@@ -227,7 +151,7 @@ def decode_completions(data: bytes) -> Completions:
     InvalidInputError naming where for anything else, an unknown or missing field included."""
     message = _decode(data, MessageKind.COMPLETIONS, ("worker", "results"))
     results = []
-    for entry in _entries(message, "results"):
+    for entry in message.children("results"):
         entry.only(_RESULT_FIELDS)
         fields = {
             "job_id": entry.get("job_id", int),
