@@ -7,23 +7,25 @@ Does the file I/O and environment reading the core never does; holds no planning
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvferry.core.canonical_json import dumps_canonical
-from kvferry.core.errors import KvferryError, TransferFailedError
-from kvferry.core.scenario import run_scenario
-from kvferry.core.scenario_schema import MAX_SCENARIO_BYTES, parse_scenario
-
 EXIT_FAILED = 1
 """A run failed: a page did not verify, a transfer failed, a benchmark failed."""
 EXIT_INPUT = 2
 """The command's input was wrong (arguments, configuration, files)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (SIGINT) ended the command: 128 + the signal's number, as shells report it."""
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from kvferry.core.canonical_json import dumps_canonical
+    from kvferry.core.scenario import run_scenario
+    from kvferry.core.scenario_schema import MAX_SCENARIO_BYTES, parse_scenario
+
     with Path(args.scenario).open("rb") as file:  # one byte past the limit says "too large"
         data = file.read(MAX_SCENARIO_BYTES + 1)
     sys.stdout.write(dumps_canonical(run_scenario(parse_scenario(data))))
@@ -150,10 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `kvferry` command; return its exit status (1: a run failed, e.g. a page did not
-    verify or a worker process died; 2: bad input)."""
+    verify or a worker process died; 2: bad input; 130: interrupted by Ctrl-C, after ending
+    every worker process, with one line on stderr)."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # raised wherever Ctrl-C struck; cleanup ran on its way here
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the exit
+        print("kvferry: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    # Imported here, not at the top: a Ctrl-C while numpy loads then reaches `main`'s handler.
     from kvferry.adapters.demo_engine import EngineStalledError
     from kvferry.adapters.demo_verify import VerificationFailedError
     from kvferry.adapters.workers import WorkerError
+    from kvferry.core.errors import KvferryError, TransferFailedError
 
     args = build_parser().parse_args(argv)
     try:

@@ -6,13 +6,15 @@ workers never plan: they run the jobs the scheduler side sends and report what e
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from multiprocessing import resource_tracker
 from typing import Any, NoReturn, Protocol
 
 import attrs
@@ -126,13 +128,17 @@ def _error_reply(error: BaseException) -> tuple[str, str, str, str]:
     return (_ERROR, type(error).__name__, str(error), text)
 
 
+_GONE = (EOFError, OSError)
+"""What the pipe raises once the scheduler side is gone (EOF, a broken pipe, a reset)."""
+
+
 def _serve(conn: multiprocessing.connection.Connection, shard: WorkerShard, rank: int) -> None:
     connector = KvferryConnectorWorker(shard.executor, rank=rank)
     try:
         while True:
             try:
                 message = conn.recv()
-            except EOFError:  # the scheduler side is gone: drain, and leave
+            except _GONE:  # the scheduler side is gone: drain, and leave quietly
                 return
             tag = message[0]
             try:
@@ -153,13 +159,17 @@ def _serve(conn: multiprocessing.connection.Connection, shard: WorkerShard, rank
                         )
                     reply = (_OK, handler(payload))
                 elif tag == _CLOSE:
-                    conn.send((_OK, connector.shutdown()))
+                    with contextlib.suppress(*_GONE):
+                        conn.send((_OK, connector.shutdown()))
                     return
                 else:
                     raise InvalidInputError(field="message", expected="a known command", got=tag)
             except Exception as error:
                 reply = _error_reply(error)
-            conn.send(reply)
+            try:
+                conn.send(reply)
+            except _GONE:
+                return
     finally:
         connector.executor.close()
 
@@ -173,8 +183,9 @@ def worker_main(
     """Run one rank: build its shard, say so, then answer the scheduler side's commands until
     it says close (drain the executor, report what was left) or hangs up.
 
-    This is the target of the spawned process; SIGINT is ignored here, so that a Ctrl-C reaches
-    the scheduler side, which then shuts the workers down in order.
+    This is the target of the spawned process; SIGINT is ignored here (and blocked from the
+    start, see `_sigint_blocked`), so that a Ctrl-C reaches the scheduler side only, which then
+    ends the workers. When the scheduler side is gone the worker leaves quietly.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -191,10 +202,15 @@ def worker_main(
             num_rows=executor.host_tier.num_rows,
         )
     except Exception as error:
-        conn.send(_error_reply(error))
+        with contextlib.suppress(*_GONE):
+            conn.send(_error_reply(error))
         conn.close()
         return
-    conn.send((_OK, info))
+    try:
+        conn.send((_OK, info))
+    except _GONE:
+        conn.close()
+        return
     try:
         _serve(conn, shard, rank)
     finally:
@@ -202,6 +218,25 @@ def worker_main(
 
 
 # -- the scheduler side ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread while processes are started: a spawned process inherits the
+    mask, so a Ctrl-C during its start-up (imports, before `worker_main` ignores SIGINT) never
+    prints a KeyboardInterrupt traceback there. A SIGINT that came meanwhile is delivered here
+    when the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to block
+        yield
+        return
+    # Spawning starts multiprocessing's resource tracker once, and unblocks SIGINT after doing
+    # so: have it started before blocking, or the first worker would start unblocked.
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @attrs.define
@@ -235,6 +270,8 @@ class WorkerPool:
                 raise InvalidInputError(field=name, expected="seconds > 0", got=value)
         self._timeout = float(reply_timeout)
         self._broken: WorkerError | None = None
+        self._interrupted = False
+        """A command was cut short (by Ctrl-C, say): the pipes are out of step."""
         self._closed = False
         context = multiprocessing.get_context("spawn")
         self._ranks: list[_Rank] = []
@@ -247,7 +284,8 @@ class WorkerPool:
                     name=f"kvferry-worker-{rank}",
                     daemon=True,
                 )
-                process.start()
+                with _sigint_blocked():
+                    process.start()
                 theirs.close()  # only the child holds its end: its death reads as EOF here
                 self._ranks.append(_Rank(rank=rank, process=process, conn=ours))
             infos = self._gather("start", float(start_timeout))
@@ -319,17 +357,19 @@ class WorkerPool:
                 field="payloads", expected=f"one per rank ({self.world_size})", got=len(payloads)
             )
         self._check_usable()
-        for entry, payload in zip(self._ranks, payloads, strict=True):
-            self._send(entry, (_CALL, name, payload))
-        return tuple(self._gather(name, self._timeout))
+        with self._command():
+            for entry, payload in zip(self._ranks, payloads, strict=True):
+                self._send(entry, (_CALL, name, payload))
+            return tuple(self._gather(name, self._timeout))
 
     def close(self) -> tuple[Completions, ...]:
         """Drain every rank (each waits for its jobs and closes its executor) and end the
         processes; return, per rank, the jobs that were still unreported (idempotent: a second
-        call returns nothing). A broken pool ends its processes and returns nothing."""
+        call returns nothing). A broken pool, or one whose last command was interrupted, ends
+        its processes and returns nothing."""
         if self._closed:
             return ()
-        if self._broken is not None:
+        if self._broken is not None or self._interrupted:
             self.terminate()
             return ()
         try:
@@ -351,8 +391,9 @@ class WorkerPool:
             entry.conn.close()
             if entry.process.is_alive():
                 entry.process.terminate()
+        deadline = time.monotonic() + 1.0  # SIGTERM ends a worker at once unless it is stopped
         for entry in self._ranks:
-            entry.process.join(5.0)
+            entry.process.join(max(deadline - time.monotonic(), 0.0))
             if entry.process.is_alive():
                 entry.process.kill()
                 entry.process.join()
@@ -373,12 +414,32 @@ class WorkerPool:
             raise self._broken
         if self._closed:
             raise InvalidInputError(field="pool", expected="an open worker pool", got="closed")
+        if self._interrupted:
+            raise InvalidInputError(
+                field="pool",
+                expected="a pool whose last command completed (close it)",
+                got="a command was interrupted",
+            )
+
+    @contextlib.contextmanager
+    def _command(self) -> Iterator[None]:
+        """Mark the pool out of step when a command is cut short by anything but a worker's
+        own error (a KeyboardInterrupt between sending and gathering, say)."""
+        try:
+            yield
+        except WorkerError:
+            raise
+        except BaseException:
+            self._interrupted = True
+            raise
 
     def _step(self, jobs: bytes, flush: tuple[int, ...]) -> tuple[Completions, ...]:
         self._check_usable()
-        for entry in self._ranks:
-            self._send(entry, (_STEP, jobs, flush))
-        return tuple(self._completions(self._gather("jobs", self._timeout)))
+        with self._command():
+            for entry in self._ranks:
+                self._send(entry, (_STEP, jobs, flush))
+            replies = self._gather("jobs", self._timeout)
+        return tuple(self._completions(replies))
 
     def _completions(self, replies: list[Any]) -> list[Completions]:
         out = []

@@ -278,3 +278,43 @@ def test_the_docs_example_runs_as_a_script_and_prints_its_comment(tmp_path: Path
     assert done.returncode == 0, done.stderr
     promised = example.strip().splitlines()[-1].lstrip("# ").strip()
     assert done.stdout.strip() == promised
+
+
+ORPHANED = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from test_workers import HostShard
+from kvferry.adapters.workers import WorkerPool
+
+if __name__ == "__main__":
+    pool = WorkerPool(HostShard(), 2, reply_timeout=30)
+    print(" ".join(str(info.pid) for info in pool.infos), flush=True)
+    for entry in pool._ranks:  # rank 1 answers after its parent is gone
+        entry.conn.send(("call", "sleep", 0.0 if entry.rank == 0 else 1.0))
+    time.sleep(0.3)
+    os.kill(os.getpid(), 9)
+"""
+
+
+def test_workers_whose_parent_died_exit_quietly(tmp_path: Path) -> None:
+    script = tmp_path / "orphaned.py"
+    script.write_text(ORPHANED.format(tests=str(Path(__file__).parent)), encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == -9
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+    assert done.stderr == ""  # the workers held the pipe until they ended: all they wrote
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
