@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from kvferry.adapters.workers import DEFAULT_REPLY_TIMEOUT
 from kvferry.core.catalog import CatalogConfig, rows_for_budget
 from kvferry.core.errors import InvalidInputError, UnknownExecutorError, did_you_mean
 from kvferry.core.eviction import EvictionPolicyKind
@@ -102,6 +103,25 @@ def _parse_positive(key: str, value: object) -> int:
     if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= MAX_NUMBER:
         raise _bad(key, f"an integer >= 1 (at most {MAX_NUMBER})", value)
     return number
+
+
+MAX_SECONDS = 86400.0
+"""Longest timeout a setting takes (a day)."""
+_SECONDS = re.compile(r"\s*([0-9]{1,9}(?:\.[0-9]{1,9})?)\s*", re.ASCII)
+
+
+def _parse_seconds(key: str, value: object) -> float:
+    number = value
+    if isinstance(value, str):
+        match = _SECONDS.fullmatch(value)
+        number = float(match.group(1)) if match else None
+    if (
+        isinstance(number, bool)
+        or not isinstance(number, (int, float))
+        or not 0 < number <= MAX_SECONDS
+    ):
+        raise _bad(key, f"seconds > 0 (at most {MAX_SECONDS:g}), e.g. 30 or 2.5", value)
+    return float(number)
 
 
 def _parse_bool(key: str, value: object) -> bool:
@@ -208,6 +228,14 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
             gpu_only=True,
         ),
         ConfigKey(
+            name="worker_reply_timeout",
+            kind="number",
+            default=DEFAULT_REPLY_TIMEOUT,
+            allowed=f"seconds > 0, at most {MAX_SECONDS:g}; e.g. 30 or 2.5",
+            parse=_parse_seconds,
+            help="how long a tensor-parallel worker may take to answer before it counts as hung",
+        ),
+        ConfigKey(
             name="record_events",
             kind="boolean",
             default=False,
@@ -241,6 +269,9 @@ class KvferryConfig:
     """GPU executors make staged jobs' driver calls on a thread of their own."""
     record_events: bool = False
     """Keep catalog events for `drain_events`."""
+    worker_reply_timeout: float = DEFAULT_REPLY_TIMEOUT
+    """Seconds a tensor-parallel worker may take to answer one command (a stopped or hung
+    worker is named once they pass)."""
 
     @classmethod
     def from_mapping(

@@ -130,7 +130,7 @@ def _process_ranks(
         num_rows=catalog_config.capacity_rows,
         seed=options.seed,
     )
-    pool = WorkerPool(factory, tp)
+    pool = WorkerPool(factory, tp, reply_timeout=config.worker_reply_timeout)
     if pool.layout_fingerprint != layout.fingerprint:
         pool.close()
         raise InvalidInputError(

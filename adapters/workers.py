@@ -10,7 +10,9 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -48,11 +50,21 @@ class WorkerError(KvferryError):
 
 
 class WorkerCrashedError(WorkerError):
-    """A worker process ended without being asked to (or its pipe broke)."""
+    """A worker process ended without being asked to (or its pipe broke); `error` is what it
+    said of why, when it could say (an error no command caught), with its traceback."""
 
-    def __init__(self, rank: int, exitcode: int | None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        exitcode: int | None,
+        error: str | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:
         self.exitcode = exitcode
-        super().__init__(rank, f"process ended unexpectedly (exit code {exitcode})")
+        self.error = error
+        self.remote_traceback = remote_traceback
+        why = f": {error}" if error else ""
+        super().__init__(rank, f"process ended unexpectedly (exit code {exitcode}){why}")
 
 
 class WorkerTimeoutError(WorkerError):
@@ -121,54 +133,79 @@ _CALL = "call"
 _CLOSE = "close"
 _OK = "ok"
 _ERROR = "error"
+_FATAL = "fatal"
+"""A worker's last message: the error that ends it, sent unasked before it exits."""
 
 
-def _error_reply(error: BaseException) -> tuple[str, str, str, str]:
+def _error_reply(error: BaseException, tag: str = _ERROR) -> tuple[str, str, str, str]:
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    return (_ERROR, type(error).__name__, str(error), text)
+    return (tag, type(error).__name__, str(error), text)
 
 
 _GONE = (EOFError, OSError)
 """What the pipe raises once the scheduler side is gone (EOF, a broken pipe, a reset)."""
 
 
-def _serve(conn: multiprocessing.connection.Connection, shard: WorkerShard, rank: int) -> None:
-    connector = KvferryConnectorWorker(shard.executor, rank=rank)
+def _answer(
+    connector: KvferryConnectorWorker,
+    handlers: Mapping[str, Handler],
+    message: tuple[Any, ...],
+) -> tuple[Any, ...]:
+    """Return the reply to one command (an error reply when the command raised)."""
+    tag = message[0]
+    try:
+        if tag == _STEP:
+            _, jobs, flush = message
+            connector.bind_connector_metadata(ConnectorMetadata(jobs=jobs, flush=flush))
+            connector.start_load_kv()
+            connector.wait_for_save()
+            return (_OK, connector.get_finished())
+        if tag == _CALL:
+            _, name, payload = message
+            handler = handlers.get(name)
+            if handler is None:
+                raise InvalidInputError(
+                    field="command", expected="one of " + ", ".join(sorted(handlers)), got=name
+                )
+            return (_OK, handler(payload))
+        raise InvalidInputError(field="message", expected="a known command", got=tag)
+    except Exception as error:
+        return _error_reply(error)
+
+
+def _reply(conn: multiprocessing.connection.Connection, reply: tuple[Any, ...]) -> bool:
+    """Send `reply` (or the error of an answer that cannot be pickled); return False when the
+    scheduler side is gone."""
+    try:
+        try:
+            conn.send(reply)
+        except _GONE:
+            raise
+        except Exception as error:  # pickling fails before a byte is written: the pipe is fine
+            conn.send(_error_reply(error))
+    except _GONE:
+        return False
+    return True
+
+
+def _serve(
+    conn: multiprocessing.connection.Connection,
+    connector: KvferryConnectorWorker,
+    handlers: Mapping[str, Handler],
+) -> None:
+    """Answer commands until close (drain, report what was left) or until the scheduler side
+    is gone; the executor is closed either way."""
     try:
         while True:
             try:
                 message = conn.recv()
             except _GONE:  # the scheduler side is gone: drain, and leave quietly
                 return
-            tag = message[0]
-            try:
-                if tag == _STEP:
-                    _, jobs, flush = message
-                    connector.bind_connector_metadata(ConnectorMetadata(jobs=jobs, flush=flush))
-                    connector.start_load_kv()
-                    connector.wait_for_save()
-                    reply: tuple[Any, ...] = (_OK, connector.get_finished())
-                elif tag == _CALL:
-                    _, name, payload = message
-                    handler = shard.handlers.get(name)
-                    if handler is None:
-                        raise InvalidInputError(
-                            field="command",
-                            expected="one of " + ", ".join(sorted(shard.handlers)),
-                            got=name,
-                        )
-                    reply = (_OK, handler(payload))
-                elif tag == _CLOSE:
-                    with contextlib.suppress(*_GONE):
-                        conn.send((_OK, connector.shutdown()))
-                    return
-                else:
-                    raise InvalidInputError(field="message", expected="a known command", got=tag)
-            except Exception as error:
-                reply = _error_reply(error)
-            try:
-                conn.send(reply)
-            except _GONE:
+            if message[0] == _CLOSE:
+                with contextlib.suppress(*_GONE):
+                    conn.send((_OK, connector.shutdown()))
+                return
+            if not _reply(conn, _answer(connector, handlers, message)):
                 return
     finally:
         connector.executor.close()
@@ -185,7 +222,9 @@ def worker_main(
 
     This is the target of the spawned process; SIGINT is ignored here (and blocked from the
     start, see `_sigint_blocked`), so that a Ctrl-C reaches the scheduler side only, which then
-    ends the workers. When the scheduler side is gone the worker leaves quietly.
+    ends the workers. When the scheduler side is gone the worker leaves quietly; an error no
+    command caught is sent to it (the crash it sees names it) and ends the worker with exit
+    code 1, without a traceback on stderr.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -193,6 +232,9 @@ def worker_main(
         if not isinstance(shard, WorkerShard):
             raise InvalidInputError(field="factory", expected="a WorkerShard", got=shard)
         executor = shard.executor
+        if not isinstance(executor, Executor):
+            raise InvalidInputError(field="executor", expected="an Executor", got=executor)
+        connector = KvferryConnectorWorker(executor, rank=rank)
         info = WorkerInfo(
             rank=rank,
             pid=os.getpid(),
@@ -208,11 +250,13 @@ def worker_main(
         return
     try:
         conn.send((_OK, info))
+        _serve(conn, connector, shard.handlers)
     except _GONE:
-        conn.close()
         return
-    try:
-        _serve(conn, shard, rank)
+    except BaseException as error:
+        with contextlib.suppress(*_GONE):
+            conn.send(_error_reply(error, _FATAL))
+        sys.exit(1)  # multiprocessing ends the process quietly on SystemExit
     finally:
         conn.close()
 
@@ -457,13 +501,29 @@ class WorkerPool:
     def _send(self, entry: _Rank, message: tuple[Any, ...]) -> None:
         try:
             entry.conn.send(message)
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-            entry.process.join(1.0)
-            self._fail(WorkerCrashedError(entry.rank, entry.process.exitcode))
+        except _GONE:
+            self._crashed(entry)
 
     def _fail(self, error: WorkerError) -> NoReturn:
         self._broken = error
         raise error
+
+    def _crashed(self, entry: _Rank, last: tuple[Any, ...] | None = None) -> NoReturn:
+        """Raise WorkerCrashedError for a rank that ended, with the error it sent as its last
+        message (`last`, or one still waiting in its pipe) when it sent one."""
+        if last is None:
+            with contextlib.suppress(*_GONE, pickle.UnpicklingError):
+                if entry.conn.poll(0):
+                    last = entry.conn.recv()
+        entry.process.join(1.0)
+        if last is not None and last[0] == _FATAL:
+            _, error_type, message, remote = last
+            self._fail(
+                WorkerCrashedError(
+                    entry.rank, entry.process.exitcode, f"{error_type}: {message}", remote
+                )
+            )
+        self._fail(WorkerCrashedError(entry.rank, entry.process.exitcode))
 
     def _gather(self, command: str, timeout: float) -> list[Any]:
         """Receive one answer from every rank; raise the lowest rank's error once all answered
@@ -483,14 +543,14 @@ class WorkerPool:
                 try:
                     if not entry.conn.poll():
                         if not entry.process.is_alive():
-                            entry.process.join(1.0)
-                            self._fail(WorkerCrashedError(rank, entry.process.exitcode))
+                            self._crashed(entry)
                         continue
                     reply = entry.conn.recv()
-                except (EOFError, OSError):
-                    entry.process.join(1.0)
-                    self._fail(WorkerCrashedError(rank, entry.process.exitcode))
+                except _GONE:
+                    self._crashed(entry)
                 del pending[rank]
+                if reply[0] == _FATAL:
+                    self._crashed(entry, reply)
                 if reply[0] == _OK:
                     answers[rank] = reply[1]
                 else:

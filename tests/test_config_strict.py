@@ -75,3 +75,16 @@ def test_the_demo_refuses_a_gpu_setting_with_the_cpu_executor_in_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "'staging_bytes'" in err and "GPU executors only" in err
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("2.5", 2.5), ("30", 30.0), (" 1 ", 1.0)])
+def test_the_worker_reply_timeout_is_a_setting(text: str, seconds: float) -> None:
+    config = KvferryConfig.from_env({"KVFERRY_WORKER_REPLY_TIMEOUT": text})
+    assert config.worker_reply_timeout == seconds
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e3", "\u00b2", "86401", True])
+def test_a_malformed_worker_reply_timeout_is_refused(value: object) -> None:
+    with pytest.raises(InvalidInputError) as caught:
+        KvferryConfig.from_mapping({"worker_reply_timeout": value})
+    assert caught.value.field == "worker_reply_timeout"

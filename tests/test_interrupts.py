@@ -100,3 +100,39 @@ def test_ctrl_c_during_a_demo_in_one_process_exits_130_in_one_line() -> None:
     code, err, _, left = interrupt_demo(workers=0)
     assert (code, err) == (130, "kvferry: interrupted\n")
     assert left == []
+
+
+@needs_proc
+def test_a_stopped_worker_is_named_after_the_reply_timeout_setting() -> None:
+    process = subprocess.Popen(
+        [*DEMO, "--no-progress", "--tp", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "KVFERRY_WORKER_REPLY_TIMEOUT": "2"},
+    )
+    try:
+        deadline = time.monotonic() + STARTUP
+        while len(descendants(process.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(RUNNING)
+        workers = [pid for pid in descendants(process.pid) if b"spawn_main" in _cmdline(pid)]
+        os.kill(workers[-1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = process.communicate(timeout=ENDED + 2)
+        assert time.monotonic() - stopped < ENDED + 2
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 1
+    assert err.count("\n") == 1
+    assert "kvferry: FAILED: worker rank" in err and "within 2 s" in err
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
