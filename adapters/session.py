@@ -117,6 +117,9 @@ class _Request:
     state: RequestState
     num_hashes: int = 0
     """How many block hashes `state` was keyed from (unchanged: no new key to derive)."""
+    keyed_from: tuple[RequestState, int, bytes] | None = None
+    """For the state it was read from: the index and value of the hash that ends the last
+    keyed chunk of any group (-1 when no chunk is keyed), checked at every call."""
     jobs: set[int] = attrs.field(factory=set)
     fence: set[int] | None = None
     finished: bool = False
@@ -514,7 +517,35 @@ class OffloadSession:
         if len(block_hashes) != request.num_hashes:
             request.state = extend_keys(self._config, request.state, block_hashes)
             request.num_hashes = len(block_hashes)
+        else:
+            self._check_keyed_from(request, block_hashes)
         return request
+
+    def _check_keyed_from(self, request: _Request, block_hashes: Sequence[bytes]) -> None:
+        """Raise InvalidInputError unless `block_hashes` (as long as before) still holds the
+        hash that ends the request's last keyed chunk. Hashes are chained, so one hash vouches
+        for the whole keyed prefix: a live request id reused for another prompt of the same
+        length, or a list rewritten in place, is refused before its pages are stored under the
+        other prompt's keys."""
+        keyed = request.keyed_from
+        if keyed is None or keyed[0] is not request.state:
+            index, last = -1, b""
+            for group, keys in enumerate(request.state.keys):
+                end = len(keys) * self._config.hashes_per_chunk(group) - 1
+                if keys and end > index:
+                    index, last = end, keys[-1].block_hash
+            keyed = request.keyed_from = (request.state, index, last)
+        _, index, last = keyed
+        if index >= 0 and block_hashes[index] != last:
+            raise InvalidInputError(
+                request=request.state.request_id,
+                field="block_hashes",
+                expected=(
+                    f"the hashes the request was keyed with (hash {index} = {last.hex()}); "
+                    "a request id reused for another prompt is refused"
+                ),
+                got=block_hashes[index],
+            )
 
     def _live(self, request_id: str, call: str) -> _Request:
         request = self._requests.get(request_id)

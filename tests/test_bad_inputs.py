@@ -756,6 +756,14 @@ CASES = [
         group=0,
     ),
     Case(
+        "session start_stores: a live request id reused for another prompt",
+        lambda w: w.session.start_stores([_running(block_hashes=chain(12, 1, 0))]),
+        BAD,
+        "block_hashes",
+        request="r2",
+        words=("reused for another prompt",),
+    ),
+    Case(
         "session report: worker out of range",
         lambda w: w.session.report(
             1, [JobResult(job_id=w.store_job.job_id, success=True, nbytes=0, seconds=0.0)]
