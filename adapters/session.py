@@ -7,6 +7,7 @@ to rows and job ids, and holds no planning rule of its own; it never copies a by
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import attrs
 
@@ -16,7 +17,7 @@ from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent
 from kvferry.core.checks import at_least
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
-from kvferry.core.keys import OffloadKey
+from kvferry.core.keys import KeyStatus, OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
@@ -123,6 +124,60 @@ class _Request:
     jobs: set[int] = attrs.field(factory=set)
     fence: set[int] | None = None
     finished: bool = False
+
+
+_T = TypeVar("_T")
+
+
+def _listed(values: Iterable[_T], kind: type[_T], field: str) -> list[_T]:
+    """Return `values` as a list, or raise InvalidInputError unless it is an iterable of
+    `kind` values."""
+    try:
+        listed = list(values)
+    except TypeError:
+        raise InvalidInputError(
+            field=field, expected=f"an iterable of {kind.__name__}", got=values
+        ) from None
+    for value in listed:
+        if not isinstance(value, kind):
+            raise InvalidInputError(field=field, expected=f"{kind.__name__} values", got=value)
+    return listed
+
+
+def _check_distinct(request_id: str, keys: Sequence[OffloadKey]) -> None:
+    """Raise InvalidInputError when a key repeats among a store's keys: the request's hashes
+    repeat (chained hashes never do), and the tier would give the key one row, not two."""
+    if len(set(keys)) == len(keys):
+        return
+    seen: set[OffloadKey] = set()
+    for key in keys:
+        if key in seen:
+            raise InvalidInputError(
+                request=request_id,
+                group=key.group,
+                field="block_hashes",
+                expected="hashes that do not repeat (chained hashes never do)",
+                got=key.block_hash.hex(),
+            )
+        seen.add(key)
+
+
+class _DryRunTier:
+    """A tier that has every key, and checks the keys a store asks about: planning a store
+    against it raises what planning it for real would raise (the inputs are checked before
+    the tier is asked), then stops at once (nothing to store), reserving nothing."""
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+
+    def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
+        """Check that the keys do not repeat; return HIT for every key."""
+        _check_distinct(self._request_id, keys)
+        return [KeyStatus.HIT] * len(keys)
+
+    def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
+        """Return True (never asked: every key is present)."""
+        return True
 
 
 class OffloadSession:
@@ -291,21 +346,33 @@ class OffloadSession:
         """Return this step's store jobs for the running `requests` (rows reserved, keys
         writing), and the requests that found no room.
 
-        Call it every step after scheduling, for every running request. When a request is
-        refused (finished, or inputs the planner rejects), the error is raised after the
-        step's reservations and cursor moves are undone (keys evicted for them stay evicted).
+        Call it every step after scheduling, for every running request. A refused step
+        (a request finished, listed twice, with hashes that repeat, or inputs the planner
+        rejects) raises and changes nothing: every request's inputs are checked before the
+        first row is reserved, so no key is evicted, no row left writing, no job id used.
         """
+        running_list = _listed(requests, RunningRequest, "requests")
         jobs: list[BoundPlan] = []
         no_room: list[str] = []
         undo: list[tuple[_Request, RequestState, int]] = []
         created: list[str] = []
+        first_job = self._next_job
         try:
-            running_list = list(requests)
             known: list[_Request] = []
+            listed: set[str] = set()
             for running in running_list:
-                request = self._requests.get(running.request_id)
+                rid = running.request_id
+                if rid in listed:
+                    raise InvalidInputError(
+                        request=rid,
+                        field="requests",
+                        expected="each running request once a step",
+                        got=f"{rid!r} twice",
+                    )
+                listed.add(rid)
+                request = self._requests.get(rid)
                 if request is None:
-                    created.append(running.request_id)
+                    created.append(rid)
                 else:
                     undo.append((request, request.state, request.num_hashes))
                 known.append(self._known_running(running))
@@ -316,18 +383,35 @@ class OffloadSession:
                 num_scheduled_tokens=[r.num_scheduled_tokens for r in running_list],
                 num_tokens=[r.num_tokens for r in running_list],
             )
-            for index in due.tolist():
+            due_list = due.tolist()
+            for index in due_list[1:]:  # the first is planned before anything is reserved
+                self._check_store(running_list[index], known[index])
+            for index in due_list:
                 self._store_one(running_list[index], known[index], jobs, no_room)
         except BaseException:
             for job in jobs:
                 self._catalog.complete_store(self._jobs[job.job_id].keys, success=False)
                 self._forget_job(job.job_id)
+            self._next_job = first_job
             for request, state, num_hashes in reversed(undo):
                 request.state, request.num_hashes = state, num_hashes
             for rid in created:
                 self._requests.pop(rid, None)
             raise
         return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room))
+
+    def _check_store(self, running: RunningRequest, request: _Request) -> None:
+        """Raise what planning `running`'s store would raise, reserving nothing (a dry run of
+        `plan_store` against a tier that has every key: its inputs are checked, then it stops)."""
+        plan_store(
+            self._config,
+            request.state,
+            running.blocks,
+            num_computed_tokens=running.num_computed_tokens,
+            num_scheduled_tokens=running.num_scheduled_tokens,
+            num_tokens=running.num_tokens,
+            tier=_DryRunTier(running.request_id),
+        )
 
     def _known_running(self, running: RunningRequest) -> _Request:
         """Return the session's record of a running request, created or with its keys
@@ -367,10 +451,13 @@ class OffloadSession:
             no_room.append(rid)
         elif decision.plan is not None:
             asked = decision.reserve_keys
+            _check_distinct(rid, asked)
             reservation = self._catalog.reserve(
                 asked, positions=self._positions(request.state, asked), request=rid
             )
             if reservation is None or reservation.keys != decision.plan.keys:
+                if reservation is not None:  # never with distinct keys; give the rows back
+                    self._catalog.complete_store(reservation.keys, success=False)
                 raise PlanInvariantError(
                     request=rid,
                     field="keys",
@@ -405,12 +492,10 @@ class OffloadSession:
             raise InvalidInputError(
                 field="worker", expected=f"a worker in [0, {self._world_size})", got=worker
             )
-        results = list(results)
+        results = _listed(results, JobResult, "results")
         live = []
         seen: set[int] = set()
         for result in results:
-            if not isinstance(result, JobResult):
-                raise InvalidInputError(field="results", expected="JobResult values", got=result)
             job_id = result.job_id
             if job_id < self._first_live_job:
                 continue

@@ -331,7 +331,9 @@ class Catalog:
         When that cannot make enough room, nothing changes and the answer is None. Otherwise the
         ready present keys count as used, and `request` as active, before victims are chosen.
         `positions[i]` is the token index where the chunk of `keys[i]` ends (the tail-first
-        policy evicts later positions first); `request` is the request storing them.
+        policy evicts later positions first); `request` is the request storing them. Raise
+        InvalidInputError, changing nothing, for a key given twice or positions that do not
+        match the keys.
         """
         if positions is not None and len(positions) != len(keys):
             raise InvalidInputError(
@@ -339,6 +341,13 @@ class Catalog:
                 field="positions",
                 expected=f"one position per key ({len(keys)})",
                 got=len(positions),
+            )
+        if len(set(keys)) != len(keys):  # one row would stand for two chunks: refuse it
+            raise InvalidInputError(
+                request=request,
+                field="keys",
+                expected="each key once",
+                got=[str(key) for key in keys],
             )
         try:
             new, victims = self._victims(keys)

@@ -12,7 +12,8 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
-from offload_rig import Rig, chain
+from offload_rig import chain
+from session_world import CONFIG, FULL, PROMPT, World, make_world, rebound
 
 from kvferry.adapters import messages
 from kvferry.adapters.session import OffloadSession, RunningRequest
@@ -26,96 +27,17 @@ from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, de
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import lookup
 from kvferry.core.plan import Direction, TransferPlan
-from kvferry.core.state import RequestState, extend_keys, new_request_state
+from kvferry.core.state import extend_keys, new_request_state
 from kvferry.core.store import plan_store
 from kvferry.executors import KVTensor, make_executor
 from kvferry.executors.host import HostTier
 
-H = 4  # hash block size
-FULL = GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=4)
-WINDOW = GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=8, sliding_window=16)
-CONFIG = OffloadConfig(hash_block_size=H, blocks_per_chunk=2, groups=(FULL, WINDOW))
-PROMPT = chain(8, family=0, shared=0)  # 32 tokens: chunks of 8 (group 0) and 16 (group 1)
 HAS_TORCH_CUDA = False
 if importlib.util.find_spec("torch") is not None:
     import torch
 
     HAS_TORCH_CUDA = bool(torch.cuda.is_available())
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
-
-
-# -- the world every case runs against --------------------------------------------------------
-
-
-@attrs.define
-class World:
-    """A session with history: r1 stored its prompt and finished; r2 loaded it and has a store
-    in flight; r3 was looked up. Plus a planner state, blocks and plans to break."""
-
-    rig: Rig
-    state: RequestState
-    blocks: list[GroupBlocks]
-    store_job: BoundPlan
-    load_job: BoundPlan
-
-    @property
-    def session(self) -> OffloadSession:
-        return self.rig.session
-
-    @property
-    def catalog(self) -> Catalog:
-        return self.rig.catalog
-
-    @property
-    def cpu(self) -> Any:
-        return self.rig.executor.inner
-
-    def snapshot(self) -> object:
-        """Everything a caller could observe, and the private bookkeeping behind it."""
-        session, catalog, cpu = self.session, self.catalog, self.cpu
-        return (
-            {
-                rid: (r.state, frozenset(r.jobs), r.finished, r.num_hashes, r.fence)
-                for rid, r in session._requests.items()
-            },
-            {
-                jid: (j.request_id, j.direction, j.keys, frozenset(j.reported), j.failed)
-                for jid, j in session._jobs.items()
-            },
-            (session._next_job, session._first_live_job),
-            catalog.snapshot(),
-            catalog.counters(),
-            tuple(catalog._freed),
-            bytes(cpu.host_tier.array),
-            [bytes(t) for group in self.rig.caches for t in group],
-            sorted(cpu._jobs),
-            self.state,
-            [(b.ids.tobytes(), b.is_null.tobytes()) for b in self.blocks],
-        )
-
-
-def make_world() -> World:
-    rig = Rig(CONFIG, capacity_rows=8, num_blocks=32)
-    r1 = rig.arrive("r1", PROMPT)
-    rig.admit(r1)
-    rig.store_step({"r1": 32})
-    rig.deliver()
-    rig.finish("r1")
-    r2 = rig.arrive("r2", chain(12, family=0, shared=0))
-    load = rig.admit(r2)
-    assert load is not None
-    rig.deliver()
-    (store,) = rig.store_step({"r2": 16})
-    rig.executor.inner.submit(_rebound(store, job_id=900))  # a job the cpu executor holds
-    rig.arrive("r3", chain(4, family=1, shared=0))
-    rig.session.lookup("r3", block_hashes=chain(4, 1, 0), num_tokens=16, num_computed_tokens=0)
-    state = new_request_state(CONFIG, "r9", num_prompt_tokens=32, block_hashes=PROMPT)
-    blocks = [GroupBlocks.of(range(1, 9)), GroupBlocks.of(range(11, 15))]
-    return World(rig=rig, state=state, blocks=blocks, store_job=store, load_job=load)
-
-
-def _rebound(bound: BoundPlan, **changes: Any) -> BoundPlan:
-    return attrs.evolve(bound, **changes)
 
 
 def _plan(**changes: Any) -> TransferPlan:
@@ -457,21 +379,21 @@ CASES = [
     ),
     Case(
         "negative CPU row",
-        lambda w: _rebound(w.load_job, cpu_rows=[-1] * len(w.load_job.cpu_rows)),
+        lambda w: rebound(w.load_job, cpu_rows=[-1] * len(w.load_job.cpu_rows)),
         BROKEN,
         "cpu_rows",
         request="r2",
     ),
     Case(
         "one CPU row short",
-        lambda w: _rebound(w.load_job, cpu_rows=w.load_job.cpu_rows[:-1]),
+        lambda w: rebound(w.load_job, cpu_rows=w.load_job.cpu_rows[:-1]),
         BROKEN,
         "cpu_rows",
         request="r2",
     ),
     Case(
         "negative job id",
-        lambda w: _rebound(w.load_job, job_id=-1),
+        lambda w: rebound(w.load_job, job_id=-1),
         BAD,
         "job_id",
         request="r2",
@@ -855,7 +777,7 @@ CASES = [
     ),
     Case(
         "executor: a plan bound for another layout",
-        lambda w: w.cpu.submit(_rebound(w.store_job, job_id=901, layout_fingerprint="0" * 16)),
+        lambda w: w.cpu.submit(rebound(w.store_job, job_id=901, layout_fingerprint="0" * 16)),
         BAD,
         "layout_fingerprint",
         request="r2",
@@ -863,7 +785,7 @@ CASES = [
     Case(
         "executor: block id beyond the tensor",
         lambda w: w.cpu.submit(
-            _rebound(
+            rebound(
                 w.load_job,
                 job_id=902,
                 plan=attrs.evolve(
@@ -880,7 +802,7 @@ CASES = [
     Case(
         "executor: CPU row beyond the tier",
         lambda w: w.cpu.submit(
-            _rebound(w.load_job, job_id=903, cpu_rows=[8] * len(w.load_job.cpu_rows))
+            rebound(w.load_job, job_id=903, cpu_rows=[8] * len(w.load_job.cpu_rows))
         ),
         BROKEN,
         "cpu_rows",
@@ -908,7 +830,7 @@ CASES = [
     Case(
         "executor: a store writing one row twice",
         lambda w: w.cpu.submit(
-            _rebound(w.store_job, job_id=905, cpu_rows=[0] * len(w.store_job.cpu_rows))
+            rebound(w.store_job, job_id=905, cpu_rows=[0] * len(w.store_job.cpu_rows))
         ),
         BROKEN,
         "cpu_rows",
@@ -916,7 +838,7 @@ CASES = [
     ),
     Case(
         "executor: a job id already in flight",
-        lambda w: w.cpu.submit(_rebound(w.store_job, job_id=900)),
+        lambda w: w.cpu.submit(rebound(w.store_job, job_id=900)),
         BAD,
         "job_id",
         request="r2",
