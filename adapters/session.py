@@ -483,8 +483,9 @@ class OffloadSession:
         ready, or forgets them when it failed; a completed load unpins its keys, and a failed
         one names the tokens its request must recompute (unless the request was finished or
         preempted since). Results of jobs from before a `reset` are ignored. Raise
-        InvalidInputError, changing nothing, for a worker out of range, a job never issued, or
-        a result a worker already gave.
+        InvalidInputError, changing nothing, for a worker out of range, results that are not
+        JobResults, a job never issued (ids start at 1: 0 and below never are), or a result a
+        worker already gave.
         """
         if isinstance(worker, bool) or not isinstance(worker, int):
             raise InvalidInputError(field="worker", expected="an integer", got=worker)
@@ -497,14 +498,15 @@ class OffloadSession:
         seen: set[int] = set()
         for result in results:
             job_id = result.job_id
-            if job_id < self._first_live_job:
+            if 1 <= job_id < self._first_live_job:  # issued before a reset: abandoned
                 continue
             job = self._jobs.get(job_id)
             if job is None or worker in job.reported or job_id in seen:
+                issued = 1 <= job_id < self._next_job  # job ids start at 1
                 raise InvalidInputError(
                     field="job_id",
                     expected=f"a job in flight not yet reported by worker {worker}",
-                    got=job_id if job_id < self._next_job else f"{job_id} (never issued)",
+                    got=job_id if issued else f"{job_id} (never issued)",
                 )
             seen.add(job_id)
             live.append((job, result.success))
