@@ -6,6 +6,7 @@ to rows and job ids, and holds no planning rule of its own; it never copies a by
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
@@ -13,7 +14,7 @@ import attrs
 
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
-from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent
+from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent, Lock, locked_method
 from kvferry.core.checks import at_least
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
@@ -187,6 +188,9 @@ class OffloadSession:
     retry), `start_load` after the engine allocated blocks, `start_stores` every step for all
     running requests, `report` whenever workers deliver results, and `finish` (or `preempt`)
     with the job ids to wait for before the request's GPU blocks are reused.
+
+    Safe for an engine's threads: every public call holds one re-entrant lock, shared with
+    the catalog (the catalog's own when it came with one), so calls never interleave.
     """
 
     def __init__(
@@ -207,6 +211,9 @@ class OffloadSession:
             )
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise InvalidInputError(field="world_size", expected="an integer >= 1", got=world_size)
+        self._lock: Lock | None = threading.RLock() if catalog.lock is None else catalog.lock
+        """Held by every public call, and shared with the catalog (one lock: no ordering)."""
+        catalog.use_lock(self._lock)
         self._config = config
         self._catalog = catalog
         self._world_size = world_size
@@ -234,30 +241,36 @@ class OffloadSession:
         """Return how many workers must report a job before it is complete."""
         return self._world_size
 
+    @locked_method
     def in_flight(self) -> frozenset[int]:
         """Return the ids of the jobs not yet reported by every worker."""
         return frozenset(self._jobs)
 
+    @locked_method
     def jobs_of(self, request_id: str) -> frozenset[int]:
         """Return the ids of `request_id`'s jobs in flight (empty for an unknown request)."""
         request = self._requests.get(request_id)
         return frozenset(request.jobs) if request else frozenset()
 
+    @locked_method
     def request_state(self, request_id: str) -> RequestState | None:
         """Return the planning state of `request_id`, or None when the session has none."""
         request = self._requests.get(request_id)
         return request.state if request else None
 
+    @locked_method
     def counters(self) -> CatalogCounters:
         """Return the catalog's counters."""
         return self._catalog.counters()
 
+    @locked_method
     def drain_events(self) -> tuple[CatalogEvent, ...]:
         """Return and forget the catalog's stored/removed events (see CatalogConfig)."""
         return self._catalog.drain_events()
 
     # -- the calls of a request's life --------------------------------------------------------
 
+    @locked_method
     def lookup(
         self,
         request_id: str,
@@ -300,6 +313,7 @@ class OffloadSession:
                 request.state, request.num_hashes = before
             raise
 
+    @locked_method
     def start_load(
         self,
         request_id: str,
@@ -342,6 +356,7 @@ class OffloadSession:
             job_id=job.job_id, plan=plan, cpu_rows=rows, layout_fingerprint=self._fingerprint
         )
 
+    @locked_method
     def start_stores(self, requests: Iterable[RunningRequest]) -> StoreStep:
         """Return this step's store jobs for the running `requests` (rows reserved, keys
         writing), and the requests that found no room.
@@ -475,6 +490,7 @@ class OffloadSession:
             )
         request.state = decision.state
 
+    @locked_method
     def report(self, worker: int, results: Iterable[JobResult]) -> CompletionReport:
         """Record `worker`'s results; return what completed (every worker reported) and what
         follows from it.
@@ -532,6 +548,7 @@ class OffloadSession:
             released=tuple(released),
         )
 
+    @locked_method
     def finish(self, request_id: str) -> frozenset[int]:
         """Return the jobs that must complete before the finished (or aborted) request's GPU
         blocks may be reused: its stores read them, its loads write them. Empty: reuse now.
@@ -548,6 +565,7 @@ class OffloadSession:
             del self._requests[request_id]
         return waiting
 
+    @locked_method
     def preempt(self, request_id: str) -> frozenset[int]:
         """Return the jobs that must complete before the preempted request's GPU blocks may be
         reused (as for `finish`); the request stays known.
@@ -562,6 +580,7 @@ class OffloadSession:
         )
         return self._fence(request)
 
+    @locked_method
     def reset(self) -> frozenset[int]:
         """Forget every request, job and key (the catalog is emptied); return the jobs that were
         in flight, whose results will be ignored. Wait for them on the workers before reusing

@@ -11,7 +11,7 @@ import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -140,12 +140,19 @@ Lock = AbstractContextManager[Any]
 """A re-entrant lock (a `threading.RLock`); the core takes it, it never makes one."""
 
 
-def _locked(
-    method: Callable[Concatenate[Catalog, _P], _R],
-) -> Callable[Concatenate[Catalog, _P], _R]:
-    """Make a public method of the catalog hold the catalog's lock, when it has one."""
+class Guarded(Protocol):
+    """An object whose public calls hold its `_lock` when it has one (`locked_method`)."""
 
-    def call(self: Catalog, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    _lock: Lock | None
+
+
+_G = TypeVar("_G", bound=Guarded)
+
+
+def locked_method(method: Callable[Concatenate[_G, _P], _R]) -> Callable[Concatenate[_G, _P], _R]:
+    """Return `method` holding its object's lock for the whole call (none: a plain call)."""
+
+    def call(self: _G, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         lock = self._lock
         if lock is None:
             return method(self, *args, **kwargs)
@@ -218,20 +225,20 @@ class Catalog:
         return self._config.capacity_rows
 
     @property
-    @_locked
+    @locked_method
     def rows_used(self) -> int:
         """Return the number of rows held by writing and ready keys."""
         return len(self._rows)
 
     @property
-    @_locked
+    @locked_method
     def free_rows(self) -> int:
         """Return the number of rows no key holds."""
         return self._config.capacity_rows - len(self._rows)
 
     # -- reading -------------------------------------------------------------------------------
 
-    @_locked
+    @locked_method
     def statuses(
         self, keys: Sequence[OffloadKey], *, pinned_as_pending: bool = False
     ) -> list[KeyStatus]:
@@ -243,7 +250,7 @@ class Catalog:
         pins = self._pins
         return [_PENDING if key in pins else get(key, _MISS) for key in keys]
 
-    @_locked
+    @locked_method
     def entry(self, key: OffloadKey) -> CatalogEntry | None:
         """Return what the catalog holds for `key`, or None when the key is absent."""
         status = self._status.get(key)
@@ -255,17 +262,17 @@ class Catalog:
             pins=self._pins.get(key, 0),
         )
 
-    @_locked
+    @locked_method
     def snapshot(self) -> dict[OffloadKey, CatalogEntry]:
         """Return every present key's entry (a copy; for checks and debugging, not hot paths)."""
         return {key: entry for key in self._status if (entry := self.entry(key)) is not None}
 
-    @_locked
+    @locked_method
     def is_pinned(self, key: OffloadKey) -> bool:
         """Return True when a load is reading `key`."""
         return key in self._pins
 
-    @_locked
+    @locked_method
     def counters(self) -> CatalogCounters:
         """Return the running totals and the rows in use now."""
         return CatalogCounters(
@@ -304,7 +311,7 @@ class Catalog:
             raise _NoRoomError
         return new, victims
 
-    @_locked
+    @locked_method
     def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
         """Return True when every key of `keys` that is absent can get a row, evicting only
         ready, unpinned keys outside `keys` (what `reserve` would do; nothing changes)."""
@@ -316,7 +323,7 @@ class Catalog:
             return False
         return True
 
-    @_locked
+    @locked_method
     def reserve(
         self,
         keys: Sequence[OffloadKey],
@@ -372,7 +379,7 @@ class Catalog:
         self._misses += len(new)
         return Reservation(keys=tuple(new), rows=rows, evicted=tuple(victims))
 
-    @_locked
+    @locked_method
     def complete_store(self, keys: Sequence[OffloadKey], *, success: bool) -> None:
         """Finish the store of `keys` (all writing): success makes them ready, failure forgets
         them and frees their rows. Raise PlanInvariantError, changing nothing, when a key is
@@ -403,7 +410,7 @@ class Catalog:
 
     # -- loads ---------------------------------------------------------------------------------
 
-    @_locked
+    @locked_method
     def pin(self, keys: Sequence[OffloadKey], *, request: str | None = None) -> IdArray:
         """Pin ready `keys` for a load by `request`; return their rows in the same order.
 
@@ -428,7 +435,7 @@ class Catalog:
         rows = self._rows
         return frozen_ids(np.fromiter((rows[key] for key in keys), dtype=np.int64, count=len(keys)))
 
-    @_locked
+    @locked_method
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         """Release one pin of each key of `keys` (a load ended). Raise PlanInvariantError,
         changing nothing, when a key is pinned fewer times than it appears in `keys`."""
@@ -453,7 +460,7 @@ class Catalog:
         if self._doomed:
             self._drop([key for key in wanted if key in self._doomed and key not in pins])
 
-    @_locked
+    @locked_method
     def discard(self, keys: Sequence[OffloadKey]) -> None:
         """Drop ready `keys` from the tier (their data is suspect: a load of them failed).
 
@@ -476,13 +483,13 @@ class Catalog:
 
     # -- events and reset ----------------------------------------------------------------------
 
-    @_locked
+    @locked_method
     def drain_events(self) -> tuple[CatalogEvent, ...]:
         """Return the events recorded since the last drain (oldest first) and forget them."""
         events, self._events = tuple(self._events), []
         return events
 
-    @_locked
+    @locked_method
     def reset(self) -> None:
         """Forget every key, row and pin (counters keep their totals); ready keys are
         reported as removed."""
