@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_FAILED = 1
 """A run failed: a page did not verify, a transfer failed, a benchmark failed."""
@@ -84,23 +84,34 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_FAILED if any(o.status is BenchStatus.FAILED for o in outcomes) else 0
 
 
+def _count(text: str, low: int) -> int:
+    """Return `text` as an integer >= `low` written in at most 18 ASCII digits (no sign)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 18) or int(text) < low:
+        shown = text if len(text) <= 20 else f"{text[:12]}... ({len(text)} characters)"
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {shown!r}")
+    return int(text)
+
+
 def _nonnegative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("expected an integer >= 0")
-    return value
+    return _count(text, 0)
 
 
 def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("expected an integer >= 1")
-    return value
+    return _count(text, 1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (argparse prints the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Exit with EXIT_INPUT after one line naming the problem and where help is."""
+        self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the `kvferry` command."""
-    parser = argparse.ArgumentParser(prog="kvferry", description=(__doc__ or "").split("\n\n")[0])
+    """Return the argument parser of the `kvferry` command (its subcommands' parsers are of
+    the same class: every argument error is one line and exit code 2)."""
+    parser = _Parser(prog="kvferry", description=(__doc__ or "").split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="print the plans of a planner scenario (JSON)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, de
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import lookup
 from kvferry.core.plan import Direction, TransferPlan
+from kvferry.core.scenario_schema import parse_scenario
 from kvferry.core.state import extend_keys, new_request_state
 from kvferry.core.store import plan_store
 from kvferry.executors import KVTensor, make_executor
@@ -84,6 +86,22 @@ class _CudaLike:
 def _cpu_executor(kv_caches: Any, **options: Any) -> Any:
     fields = {"kv_caches": kv_caches, "blocks_per_chunk": 2, "num_rows": 4, **options}
     return make_executor("cpu", **fields)
+
+
+def _scenario(**sections: Any) -> bytes:
+    """Return a small scenario document (one group, one lookup step) with `sections` replaced."""
+    document: dict[str, Any] = {
+        "schema_version": 1,
+        "config": {
+            "hash_block_size": 4,
+            "blocks_per_chunk": 1,
+            "groups": [{"kind": "full_attention", "block_size": 4}],
+        },
+        "request": {"num_tokens": 16},
+        "steps": [{"op": "lookup", "num_computed_tokens": 0}],
+    }
+    document.update(sections)
+    return json.dumps(document).encode()
 
 
 def _adapter_config() -> Any:
@@ -725,7 +743,139 @@ CASES = [
         "request_id",
         request="r8",
     ),
+    # -- catalog -----------------------------------------------------------------------------
+    Case(
+        "catalog: a key twice in one reservation",
+        lambda w: w.catalog.reserve([OffloadKey(0, b"x"), OffloadKey(0, b"x")], request="r9"),
+        BAD,
+        "keys",
+        request="r9",
+        words=("each key once",),
+    ),
+    Case(
+        "catalog: positions that do not match the keys",
+        lambda w: w.catalog.reserve([OffloadKey(0, b"x")], positions=[8, 16], request="r9"),
+        BAD,
+        "positions",
+        request="r9",
+    ),
+    Case(
+        "catalog: pin a key that is not ready",
+        lambda w: w.catalog.pin([OffloadKey(0, b"absent")], request="r9"),
+        BROKEN,
+        "keys",
+        request="r9",
+        group=0,
+        words=("absent",),
+    ),
+    Case(
+        "catalog: unpin a key no load pins",
+        lambda w: w.catalog.unpin([w.load_job.plan.keys[0]]),
+        BROKEN,
+        "keys",
+        group=0,
+    ),
+    Case(
+        "catalog: complete a store of a ready key",
+        lambda w: w.catalog.complete_store([w.load_job.plan.keys[0]], success=True),
+        BROKEN,
+        "keys",
+        group=0,
+        words=("ready",),
+    ),
+    Case(
+        "catalog: another lock than its own",
+        lambda w: w.catalog.use_lock(threading.RLock()),
+        BAD,
+        "lock",
+    ),
+    Case("catalog: a config that is not a CatalogConfig", lambda w: Catalog({}), BAD, "config"),
+    # -- scenario files ------------------------------------------------------------------------
+    Case(
+        "scenario: a flag written as a string",
+        lambda w: parse_scenario(_scenario(request={"num_tokens": 16, "store_loaded": "false"})),
+        BAD,
+        "request.store_loaded",
+    ),
+    Case(
+        "scenario: a count written as a float",
+        lambda w: parse_scenario(_scenario(steps=[{"op": "lookup", "num_computed_tokens": 4.0}])),
+        BAD,
+        "steps[0].num_computed_tokens",
+    ),
+    Case(
+        "scenario: a billion tokens",
+        lambda w: parse_scenario(_scenario(request={"num_tokens": 10**9})),
+        BAD,
+        "request.num_tokens",
+        words=("hash blocks",),
+    ),
+    Case(
+        "scenario: a hash that is not hex",
+        lambda w: parse_scenario(_scenario(request={"num_tokens": 4, "block_hashes": ["zz"]})),
+        BAD,
+        "request.block_hashes[0]",
+    ),
+    Case(
+        "scenario: not UTF-8",
+        lambda w: parse_scenario(b"\xff\xfe{}"),
+        BAD,
+        "scenario",
+        words=("UTF-8",),
+    ),
+    # -- environment ---------------------------------------------------------------------------
+    *(
+        [
+            Case(
+                "environment: a number in superscript digits",
+                lambda w: _adapter_config().from_env({"KVFERRY_BLOCKS_PER_CHUNK": "\u00b2"}),
+                BAD,
+                "KVFERRY_BLOCKS_PER_CHUNK",
+            ),
+            Case(
+                "environment: a 5000-digit size",
+                lambda w: _adapter_config().from_env({"KVFERRY_CPU_TIER_BYTES": "9" * 5000}),
+                BAD,
+                "KVFERRY_CPU_TIER_BYTES",
+            ),
+            Case(
+                "environment: a timeout of 0 seconds",
+                lambda w: _adapter_config().from_env({"KVFERRY_WORKER_REPLY_TIMEOUT": "0"}),
+                BAD,
+                "KVFERRY_WORKER_REPLY_TIMEOUT",
+            ),
+            Case(
+                "adapter config: a CPU tier larger than the host",
+                lambda w: (
+                    _adapter_config().from_mapping({"cpu_tier_bytes": 1 << 62}).catalog_config(4096)
+                ),
+                BAD,
+                "cpu_tier_bytes",
+                words=("host's memory",),
+            ),
+            Case(
+                "adapter config: a GPU setting with a host executor",
+                lambda w: (
+                    _adapter_config()
+                    .from_mapping({"staging_bytes": "1MiB"})
+                    .executor_options(on_gpu=False)
+                ),
+                BAD,
+                "staging_bytes",
+                words=("GPU executors only",),
+            ),
+        ]
+        if importlib.util.find_spec("kvferry.adapters.config")
+        else []
+    ),
     # -- executors ---------------------------------------------------------------------------
+    Case(
+        "host tier larger than the host",
+        lambda w: HostTier(num_rows=1 << 50, row_bytes=4096),
+        BAD,
+        "num_rows",
+        words=("host's memory",),
+    ),
     Case(
         "executor: CPU tier of 0 bytes",
         lambda w: _cpu_executor([[_mla(_host_tensor((8, 24)))]], num_rows=0),
@@ -1065,3 +1215,92 @@ def test_bad_input_raises_a_located_typed_error_and_changes_nothing(case: Case) 
     for word in case.words:
         assert word in message, (word, message)
     assert world.snapshot() == before
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CliCase:
+    """A malformed command line (or environment, or file): exit 2 and one line naming it."""
+
+    name: str
+    argv: tuple[str, ...]
+    words: tuple[str, ...]
+    environ: tuple[tuple[str, str], ...] = ()
+    file: bytes | None = None
+    """Written to a file whose path replaces `FILE` in `argv`."""
+
+
+CLI_CASES = [
+    CliCase("no command", (), ("required: command",)),
+    CliCase("an unknown command", ("plant",), ("invalid choice",)),
+    CliCase("requests of 0", ("demo", "--requests", "0"), ("--requests", ">= 1")),
+    CliCase("a negative seed", ("demo", "--seed", "-1"), ("--seed", ">= 0")),
+    CliCase("ranks in superscript", ("demo", "--tp", "\u00b2"), ("--tp",)),
+    CliCase("5000-digit requests", ("demo", "--requests", "9" * 5000), ("5000 characters",)),
+    CliCase("an unknown profile", ("demo", "--profile", "lama"), ("'profile'", "llama")),
+    CliCase("an unknown executor", ("demo", "--executor", "tourch"), ("did you mean 'torch'",)),
+    CliCase("an unknown policy", ("demo", "--eviction-policy", "lfu"), ("eviction_policy",)),
+    CliCase(
+        "a size in other digits", ("demo", "--cpu-tier-bytes", "\u00b2GiB"), ("cpu_tier_bytes",)
+    ),
+    CliCase("a tier no host has", ("demo", "--cpu-tier-bytes", str(1 << 62)), ("host's memory",)),
+    CliCase("a rank count that splits no heads", ("demo", "--tp", "3"), ("divisor",)),
+    CliCase(
+        "a missing config file", ("demo", "--config", "/nonexistent/k.toml"), ("No such file",)
+    ),
+    CliCase(
+        "a config file that is not TOML", ("demo", "--config", "FILE"), ("valid TOML",), file=b"x ="
+    ),
+    CliCase(
+        "an unknown variable",
+        ("demo",),
+        ("KVFERRY_EXECUTR", "did you mean"),
+        environ=(("KVFERRY_EXECUTR", "cpu"),),
+    ),
+    CliCase(
+        "a GPU setting for the cpu executor",
+        ("demo",),
+        ("staging_bytes",),
+        environ=(("KVFERRY_STAGING_BYTES", "1MiB"),),
+    ),
+    CliCase("a missing scenario", ("plan", "/nonexistent/s.json"), ("No such file",)),
+    CliCase("a scenario that is a folder", ("plan", "/"), ("Is a directory",)),
+    CliCase("a scenario that is not JSON", ("plan", "FILE"), ("JSON text",), file=b"{oops"),
+    CliCase(
+        "a scenario with a wrong kind",
+        ("plan", "FILE"),
+        ("request.num_tokens",),
+        file=_scenario(request={"num_tokens": "16"}),
+    ),
+    CliCase("an unknown benchmark", ("bench", "--only", "gpu"), ("invalid choice",)),
+]
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[c.name for c in CLI_CASES])
+def test_a_malformed_command_line_exits_2_with_one_line_naming_it(
+    case: CliCase,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvferry.adapters import cli
+
+    for name, value in case.environ:
+        monkeypatch.setenv(name, value)
+    argv = list(case.argv)
+    if case.file is not None:
+        path = tmp_path / "input"
+        path.write_bytes(case.file)
+        argv = [str(path) if arg == "FILE" else arg for arg in argv]
+    try:
+        code = cli.main([*argv, "--no-progress"] if argv[:1] == ["demo"] else argv)
+    except SystemExit as exit_:  # argparse exits from inside main
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert code == cli.EXIT_INPUT, captured.err
+    assert captured.err.count("\n") == 1 and "error: " in captured.err, captured.err
+    assert captured.out == ""
+    for word in case.words:
+        assert word in captured.err, (word, captured.err)
