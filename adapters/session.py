@@ -642,6 +642,15 @@ class OffloadSession:
                     index, last = end, keys[-1].block_hash
             keyed = request.keyed_from = (request.state, index, last)
         _, index, last = keyed
+        if type(block_hashes) not in (list, tuple) and (
+            not isinstance(block_hashes, Sequence) or isinstance(block_hashes, (str, bytes))
+        ):
+            raise InvalidInputError(
+                request=request.state.request_id,
+                field="block_hashes",
+                expected="a sequence of bytes (one hash per full hash block)",
+                got=block_hashes,
+            )
         if index >= 0 and block_hashes[index] != last:
             raise InvalidInputError(
                 request=request.state.request_id,

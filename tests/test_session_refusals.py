@@ -97,6 +97,12 @@ REFUSALS = [
         ),
     ),
     Refusal(
+        "lookup: hashes as a set, as many as before",
+        lambda w: w.session.lookup(
+            "r2", block_hashes=set(chain(12, 0, 0)), num_tokens=48, num_computed_tokens=0
+        ),
+    ),
+    Refusal(
         "lookup: computed beyond the tokens, new hashes",
         lambda w: w.session.lookup(
             "r3", block_hashes=chain(8, 1, 0), num_tokens=32, num_computed_tokens=40
