@@ -94,6 +94,11 @@ def kept_chunks(specs: Sequence[GroupSpec], chunks: Sequence[int]) -> tuple[Kept
         if not is_windowed or window is None:
             out.append(None)
             continue
+        if window(spec) >= period + 2 * chunk:
+            # Every chunk has a boundary of each period above it whose window reaches it: all
+            # are kept (and the search below, which walks the window, is not needed).
+            out.append(None)
+            continue
         # Look at one period of chunks far enough from the start that no window is cut short,
         # and at every boundary whose window can reach into it.
         per = period // chunk

@@ -53,3 +53,17 @@ def test_grids_repeating_beyond_the_limit_keep_every_chunk() -> None:
     coarse = GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=MAX_PERIOD + 1)
     window = GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=2, sliding_window=3)
     assert config(coarse, window, hash_block_size=1).keeps_every_chunk(1)
+
+
+def test_a_window_wider_than_the_grids_period_keeps_every_chunk_without_walking_it() -> None:
+    # The rows are found by arithmetic on one period: a window of 10**30 tokens must not be
+    # walked token by token (building the config would never end).
+    config = OffloadConfig(
+        hash_block_size=4,
+        blocks_per_chunk=1,
+        groups=[
+            GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=4),
+            GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=8, sliding_window=10**30),
+        ],
+    )
+    assert config.keeps_every_chunk(1)
