@@ -36,10 +36,14 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_offload.base import TransferResult
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvferry.adapters.messages import decode_jobs
+from kvferry.core.plan import Direction
 
 TINY_MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -106,6 +110,11 @@ class Engine:
     outputs: list[Any] = field(default_factory=list)
     """Every step's engine-core outputs (what `update_from_output` returned)."""
     on_forward: Callable[[Engine, Any], None] | None = None
+    verify: bool = True
+    """Check every computed position's bytes before each forward pass (False for a
+    connector whose worker moves no bytes here)."""
+    decisions: list[StepDecisions] = field(default_factory=list)
+    """What the scheduler-side connector decided at every step (`record_decisions`)."""
 
     @property
     def connector(self) -> Any:
@@ -129,13 +138,18 @@ class Engine:
         """Run one engine step as vLLM's model runner drives a connector; return the
         scheduler output. Before the forward pass, every scheduled request's computed
         positions are checked."""
+        self.decisions.append(StepDecisions())
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
+        self.decisions[-1].loads, self.decisions[-1].stores = transfers_of(
+            meta, self.connector, len(self.worker_config.kv_cache_groups)
+        )
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         scheduled = self._scheduled(output)
         for rid, computed, _ in scheduled:
-            self.check(rid, computed, output)
+            if self.verify:
+                self.check(rid, computed, output)
         if self.on_forward is not None:
             self.on_forward(self, output)
         for rid, computed, count in scheduled:
@@ -333,6 +347,148 @@ class DelayedExecutor:
         return [*kept, *self.inner.close()]
 
 
+@dataclass(frozen=True, order=True)
+class Transfer:
+    """One load or store a connector planned: the request, and per vLLM group the GPU blocks
+    and the index of the first one in the request's block table."""
+
+    request_id: str
+    blocks: tuple[tuple[int, ...], ...]
+    first: tuple[int, ...]
+
+
+@dataclass
+class StepDecisions:
+    """What a scheduler-side connector decided in one engine step."""
+
+    lookups: list[tuple[str, int, int | None]] = field(default_factory=list)
+    """(request, num_computed_tokens, tokens it offered: None = ask again) per lookup."""
+    loads: list[Transfer] = field(default_factory=list)
+    stores: list[Transfer] = field(default_factory=list)
+    finished: list[tuple[str, bool]] = field(default_factory=list)
+    """(request, whether vLLM must hold its blocks) per finished request."""
+
+
+def _transfer(
+    rid: str,
+    *,
+    ids: Sequence[int],
+    sizes: Sequence[int],
+    firsts: Sequence[int],
+    groups: Sequence[int],
+    total: int,
+) -> Transfer:
+    blocks: list[tuple[int, ...]] = [() for _ in range(total)]
+    first = [0] * total
+    start = 0
+    for gid, size, index in zip(groups, sizes, firsts, strict=True):
+        blocks[gid] = tuple(int(b) for b in ids[start : start + size])
+        first[gid] = int(index) if size else 0
+        start += size
+    return Transfer(rid, tuple(blocks), tuple(first))
+
+
+def transfers_of(
+    meta: Any, connector: Any, num_groups: int
+) -> tuple[list[Transfer], list[Transfer]]:
+    """Return the (loads, stores) one step's connector metadata carries, kvferry's or
+    vLLM's OffloadingConnector's, as GPU blocks per vLLM group."""
+    loads: list[Transfer] = []
+    stores: list[Transfer] = []
+    if hasattr(meta, "load_jobs"):  # vLLM's OffloadingConnector
+        everything = range(num_groups)
+        for job in meta.load_jobs.values():
+            spec = job.dst_spec
+            loads.append(
+                _transfer(
+                    job.req_id,
+                    ids=spec.block_ids,
+                    sizes=spec.group_sizes,
+                    firsts=spec.block_indices,
+                    groups=everything,
+                    total=num_groups,
+                )
+            )
+        for job in meta.store_jobs.values():
+            spec = job.src_spec
+            stores.append(
+                _transfer(
+                    job.req_id,
+                    ids=spec.block_ids,
+                    sizes=spec.group_sizes,
+                    firsts=spec.block_indices,
+                    groups=everything,
+                    total=num_groups,
+                )
+            )
+    else:
+        offloaded = connector.get_loaded_kv_cache_group_ids(None)
+        for bound in decode_jobs(meta.jobs):
+            plan = bound.plan
+            side = loads if plan.direction is Direction.LOAD else stores
+            side.append(
+                _transfer(
+                    plan.request_id,
+                    ids=plan.gpu_block_ids,
+                    sizes=plan.group_sizes,
+                    firsts=plan.block_indices,
+                    groups=offloaded,
+                    total=num_groups,
+                )
+            )
+    return sorted(loads), sorted(stores)
+
+
+def record_decisions(engine: Engine) -> None:
+    """Make the scheduler-side connector's lookups and finished answers land in
+    `engine.decisions` (its loads and stores are read from each step's metadata)."""
+    connector = engine.connector
+    lookup, finished = connector.get_num_new_matched_tokens, connector.request_finished_all_groups
+
+    def recorded_lookup(request: Any, num_computed_tokens: int, *args: Any) -> Any:
+        tokens, load_async = lookup(request, num_computed_tokens, *args)
+        engine.decisions[-1].lookups.append((request.request_id, num_computed_tokens, tokens))
+        return tokens, load_async
+
+    def recorded_finished(request: Any, block_ids: Any) -> Any:
+        delay, params = finished(request, block_ids)
+        engine.decisions[-1].finished.append((request.request_id, bool(delay)))
+        return delay, params
+
+    connector.get_num_new_matched_tokens = recorded_lookup
+    connector.request_finished_all_groups = recorded_finished
+
+
+class InstantOffloadingWorker:
+    """Stands in for the copy worker of vLLM's OffloadingConnector, which runs on GPUs only:
+    every submitted job succeeds at once and moves no bytes (its decisions are what is
+    compared, not its copies)."""
+
+    def __init__(self) -> None:
+        self._done: list[int] = []
+
+    def submit_store(self, job_id: int, src: Any, dst: Any) -> bool:
+        """Accept a store."""
+        self._done.append(job_id)
+        return True
+
+    def submit_load(self, job_id: int, src: Any, dst: Any, expedited: bool = False) -> bool:
+        """Accept a load."""
+        self._done.append(job_id)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        """Return every job accepted since the last call, succeeded."""
+        done, self._done = self._done, []
+        return [TransferResult(job_id=job_id, success=True) for job_id in done]
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Nothing to wait for."""
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+
 class EventRecorder:
     """Stands in for vLLM's KV-event publisher and keeps every event published."""
 
@@ -426,8 +582,12 @@ def build_engine(
         worker_config, torch.device("cpu"), KVCacheLayout[layout], kernel_block_sizes
     )
     worker = type(scheduler.connector)(vllm_config, KVConnectorRole.WORKER, worker_config)
+    offloading = transfer.kv_connector == "OffloadingConnector"
+    if offloading:
+        inner = worker.connector_worker
+        inner._init_worker = lambda caches: setattr(inner, "worker", InstantOffloadingWorker())
     worker.register_kv_caches(kv_caches)
-    return Engine(
+    engine = Engine(
         vllm_config=vllm_config,
         scheduler=scheduler,
         worker=worker,
@@ -435,4 +595,7 @@ def build_engine(
         worker_config=worker_config,
         kernel_block_sizes=kernel_block_sizes,
         hash_block_size=hash_block_size,
+        verify=not offloading,
     )
+    record_decisions(engine)
+    return engine
