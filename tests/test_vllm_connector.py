@@ -232,3 +232,26 @@ def test_a_group_of_a_kind_kvferry_does_not_know_is_left_alone(
     assert engine.scheduled_at("b")[0][0] == 64
     assert session.counters().hits == 4
     assert engine.finish_reasons()["b"] == FinishReason.LENGTH
+
+
+def test_vllms_async_scheduler_overlapping_steps_loads_a_shared_prefix(model_config: Any) -> None:
+    engine = build_engine(
+        model_config, full_and_sliding(window=32), kvferry(), async_scheduling=True
+    )
+    overlapped = []
+    schedule = engine.scheduler.schedule
+
+    def scheduled_while_a_step_is_unfinished() -> Any:
+        overlapped.append(engine.pending_update is not None)
+        return schedule()
+
+    engine.scheduler.schedule = scheduled_while_a_step_is_unfinished
+    engine.add("a", list(range(100, 250)), max_tokens=20)
+    engine.run()
+    engine.evict_gpu()
+    engine.add("b", [*range(100, 200), *[5] * 30], max_tokens=3)
+    engine.run()
+    assert type(engine.scheduler).__name__ == "AsyncScheduler"
+    assert sum(overlapped) > 10
+    assert engine.scheduled_at("b")[0][0] == 96  # six 16-token blocks of the shared 100 tokens
+    assert engine.finish_reasons() == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}

@@ -115,6 +115,11 @@ class Engine:
     connector whose worker moves no bytes here)."""
     decisions: list[StepDecisions] = field(default_factory=list)
     """What the scheduler-side connector decided at every step (`record_decisions`)."""
+    overlap: bool = False
+    """Schedule each step before the previous step's output is processed, as vLLM's engine
+    does with async scheduling (set by `build_engine(async_scheduling=True)`)."""
+    pending_update: tuple[Any, Any] | None = None
+    """The step scheduled and run whose output vLLM has not processed yet (`overlap`)."""
 
     @property
     def connector(self) -> Any:
@@ -144,6 +149,23 @@ class Engine:
         self.decisions[-1].loads, self.decisions[-1].stores = transfers_of(
             meta, self.connector, len(self.worker_config.kv_cache_groups)
         )
+        self.history.append(output)
+        if self.pending_update is not None:
+            self._update(*self.pending_update)
+        runner_output = self._execute(output)
+        if self.overlap and output.total_num_scheduled_tokens > 0:
+            self.pending_update = (output, runner_output)
+        else:
+            self._update(output, runner_output)
+        return output
+
+    def _update(self, output: Any, runner_output: Any) -> None:
+        self.pending_update = None
+        self.outputs.append(self.scheduler.update_from_output(output, runner_output))
+
+    def _execute(self, output: Any) -> Any:
+        """Run the worker side and the stand-in model on one step; return the runner output."""
+        meta = output.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         scheduled = self._scheduled(output)
@@ -170,15 +192,12 @@ class Engine:
             done = computed + count >= request.num_tokens
             sampled.append([next_token(request.all_token_ids)] if done else [])
         ids = [rid for rid, _, _ in scheduled]
-        runner_output = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=sampled,
             kv_connector_output=kv_output,
         )
-        self.history.append(output)
-        self.outputs.append(self.scheduler.update_from_output(output, runner_output))
-        return output
 
     def wrap_executor(self, wrap: Callable[[Any], Any]) -> Any:
         """Replace the worker's executor by `wrap(executor)` (a fault or delay wrapper)."""
@@ -216,7 +235,8 @@ class Engine:
         """Step until no request is left and no transfer is pending; return the steps."""
         for count in range(1, limit + 1):
             self.step()
-            if not self.scheduler.has_requests() and not self.connector.has_pending_push_work():
+            drained = not self.scheduler.has_requests() and self.pending_update is None
+            if drained and not self.connector.has_pending_push_work():
                 return count
         raise AssertionError(f"the engine did not drain in {limit} steps")
 
@@ -596,6 +616,7 @@ def build_engine(
         kernel_block_sizes=kernel_block_sizes,
         hash_block_size=hash_block_size,
         verify=not offloading,
+        overlap=async_scheduling,
     )
     record_decisions(engine)
     return engine
