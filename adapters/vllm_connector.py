@@ -506,6 +506,10 @@ class _SchedulerSide:
         self._ready: list[tuple[str, bool]] = []
         self._held: dict[str, frozenset[int]] = {}
         self._flush: set[int] = set()
+        self._fenced: dict[int, set[int]] = {}
+        """GPU blocks of sliding-window and Mamba groups that stores in flight read, with
+        those stores: vLLM frees such a block while its request runs, once the window has
+        passed it, and may hand it out again before the store has read it."""
         self._chunks: dict[OffloadKey, _Chunk] = {}
         self._counted = shape_counters(self._session)
 
@@ -556,12 +560,14 @@ class _SchedulerSide:
         if job is None:
             self._ready.append((rid, True))
             return
+        self._fence_reallocated_ids(job.plan.gpu_block_ids)
         self._loads.append(job)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvferryConnectorMetadata:
         for rid in scheduler_output.preempted_req_ids or ():
             if self._session.request_state(rid) is not None:
                 self._flush |= self._session.preempt(rid)
+        self._fence_reallocated(scheduler_output)
         block_state = scheduler_output.kv_connector_block_state
         running = []
         for rid, computed in _scheduled(scheduler_output):
@@ -588,6 +594,7 @@ class _SchedulerSide:
         step = self._session.start_stores(running)
         for job in step.jobs:
             self._remember_chunks(job)
+            self._fence(job)
         jobs, self._loads = [*self._loads, *step.jobs], []
         meta = KvferryConnectorMetadata(
             jobs=encode_jobs(jobs),
@@ -607,7 +614,8 @@ class _SchedulerSide:
                 )
             for message in meta.messages:
                 completions = decode_completions(message)
-                self._session.report(completions.worker, completions.results)
+                report = self._session.report(completions.worker, completions.results)
+                self._unfence({*report.completed, *report.failed})
         self._loading -= set(connector_output.finished_recving or ())
         for rid in connector_output.finished_sending or ():
             self._held.pop(rid, None)
@@ -648,6 +656,7 @@ class _SchedulerSide:
 
     def reset_cache(self) -> None:
         self._flush |= self._session.reset()
+        self._fenced.clear()
         self._chunks.clear()
         self._loading.clear()
 
@@ -660,6 +669,35 @@ class _SchedulerSide:
         self._counted = now
         stats = KvferryConnectorStats(data=moved)
         return None if stats.is_empty() else stats
+
+    def _fence(self, store: BoundPlan) -> None:
+        """Remember the blocks of `store` that vLLM may free before the request ends."""
+        plan = store.plan
+        start = 0
+        for index, size in enumerate(plan.group_sizes):
+            if self._shape.config.groups[index].kind is not GroupKind.FULL_ATTENTION:
+                for block in plan.gpu_block_ids[start : start + size]:
+                    self._fenced.setdefault(int(block), set()).add(store.job_id)
+            start += size
+
+    def _unfence(self, jobs: set[int]) -> None:
+        if not jobs or not self._fenced:
+            return
+        for block in list(self._fenced):
+            self._fenced[block] -= jobs
+            if not self._fenced[block]:
+                del self._fenced[block]
+
+    def _fence_reallocated(self, scheduler_output: Any) -> None:
+        """Make the workers wait, before this step's forward pass, for the stores still
+        reading a block vLLM hands out again in this step (as vLLM's own connector does)."""
+        self._fence_reallocated_ids(_allocated_blocks(scheduler_output))
+
+    def _fence_reallocated_ids(self, blocks: Iterable[int]) -> None:
+        if not self._fenced:
+            return
+        for block in blocks:
+            self._flush |= self._fenced.get(int(block), set())
 
     def _remember_chunks(self, job: BoundPlan) -> None:
         request = self._requests[job.plan.request_id]
@@ -723,6 +761,18 @@ def _index_of(hashes: Sequence[bytes], block_hash: bytes) -> int:
 def _group_blocks(ids: Sequence[int]) -> GroupBlocks:
     """Return one group's GroupBlocks of vLLM's current table: id 0 is vLLM's null block."""
     return GroupBlocks.of(list(ids), null=[i for i, block in enumerate(ids) if block == 0])
+
+
+def _allocated_blocks(scheduler_output: Any) -> Iterator[int]:
+    """Yield the GPU blocks vLLM allocated in this step (every group's new ids)."""
+    for data in scheduler_output.scheduled_new_reqs:
+        for ids in data.block_ids:
+            yield from ids
+    for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        for ids in new_ids or ():
+            yield from ids
+    for copy in scheduler_output.kv_cache_block_copies or ():
+        yield copy.dst_block_id
 
 
 def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, int]]:

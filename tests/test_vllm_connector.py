@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 from vllm_rig import (  # noqa: E402
+    DeferredExecutor,
     DelayedExecutor,
     Engine,
     EventRecorder,
@@ -255,3 +256,36 @@ def test_vllms_async_scheduler_overlapping_steps_loads_a_shared_prefix(model_con
     assert sum(overlapped) > 10
     assert engine.scheduled_at("b")[0][0] == 96  # six 16-token blocks of the shared 100 tokens
     assert engine.finish_reasons() == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
+
+
+def test_a_sliding_window_block_freed_while_its_store_is_in_flight_is_fenced(
+    model_config: Any,
+) -> None:
+    """vLLM frees a sliding-window block once the window has passed it and may hand it out
+    again at once; a store still reading it must end before a forward pass writes it."""
+    engine = build_engine(model_config, full_and_sliding(window=32), kvferry(), num_gpu_blocks=24)
+    deferred = engine.wrap_executor(
+        lambda inner: DeferredExecutor(inner, lambda job: job.plan.direction is Direction.STORE)
+    )
+    overwritten = []
+
+    def forward_writes_no_block_a_store_reads(engine: Engine, output: Any) -> None:
+        reading = deferred.reading()
+        for rid, computed, count in engine._scheduled(output):
+            for table in engine.scheduler.kv_cache_manager.get_block_ids(rid):
+                written = {table[p // 16] for p in range(computed, computed + count)}
+                overwritten.extend(written & reading)
+
+    engine.on_forward = forward_writes_no_block_a_store_reads
+    engine.add("a", list(range(100, 250)), max_tokens=4)
+    engine.add("c", list(range(300, 450)), max_tokens=4)
+    for _ in range(12):
+        engine.step()
+    deferred.release()
+    engine.run()
+    assert deferred.waited  # some store was fenced: its block was handed out again
+    assert overwritten == []
+    engine.evict_gpu()
+    engine.add("b", [*range(100, 200), *[5] * 30], max_tokens=2)
+    engine.run()
+    assert engine.scheduled_at("b")[0][0] == 96  # the window came back from the tier, checked

@@ -509,6 +509,56 @@ class InstantOffloadingWorker:
         """Nothing to release."""
 
 
+class DeferredExecutor:
+    """Wraps an executor and runs the jobs `defer` picks only when they are waited for or at
+    `release()`: a store still reading its GPU blocks long after it was submitted, as a copy
+    queued behind others on a GPU may. `reading()` names the blocks such stores still read."""
+
+    def __init__(self, inner: Any, defer: Callable[[Any], bool]) -> None:
+        self.inner = inner
+        self._defer = defer
+        self._deferred: dict[int, Any] = {}
+        self.waited: list[int] = []
+        """Deferred jobs that a wait (a fence) made run."""
+        self.layout = inner.layout
+        self.host_tier = inner.host_tier
+
+    def submit(self, bound: Any) -> int:
+        """Keep a deferred job back; submit the others."""
+        if self._defer(bound):
+            self._deferred[bound.job_id] = bound
+            return int(bound.job_id)
+        return int(self.inner.submit(bound))
+
+    def reading(self) -> set[int]:
+        """Return the GPU blocks deferred jobs have not read yet."""
+        return {int(b) for job in self._deferred.values() for b in job.plan.gpu_block_ids}
+
+    def poll(self) -> list[Any]:
+        """Return the ended jobs (deferred ones have not run)."""
+        return list(self.inner.poll())
+
+    def wait(self, job_ids: Any) -> list[Any]:
+        """Run the deferred jobs asked for, then wait for all of them."""
+        ids = list(job_ids)
+        for job_id in ids:
+            if job_id in self._deferred:
+                self.waited.append(job_id)
+                self.inner.submit(self._deferred.pop(job_id))
+        return list(self.inner.wait(ids))
+
+    def release(self) -> None:
+        """Run every deferred job, and defer none from now on."""
+        self._defer = lambda bound: False
+        for job_id in list(self._deferred):
+            self.inner.submit(self._deferred.pop(job_id))
+
+    def close(self) -> list[Any]:
+        """Run what is deferred and close the wrapped executor."""
+        self.release()
+        return list(self.inner.close())
+
+
 class EventRecorder:
     """Stands in for vLLM's KV-event publisher and keeps every event published."""
 
