@@ -20,6 +20,7 @@ from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm_rig import (  # noqa: E402
@@ -65,6 +66,22 @@ def full_and_sliding(window: int = 32, block_size: int = 16) -> dict[str, Any]:
             head_size=8,
             dtype=torch.float16,
             sliding_window=window,
+        ),
+    }
+
+
+def full_and_mamba() -> dict[str, Any]:
+    """A full-attention layer beside a Mamba layer whose state pages are as large as the
+    attention pages (vLLM's hybrid allocator needs one page size)."""
+    return {
+        "model.layers.0.self_attn.attn": FullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16
+        ),
+        "model.layers.1.mixer": MambaSpec(
+            block_size=16,
+            shapes=((4, 32), (4, 96)),
+            dtypes=(torch.float16, torch.float16),
+            mamba_cache_mode="align",
         ),
     }
 
@@ -289,3 +306,19 @@ def test_a_sliding_window_block_freed_while_its_store_is_in_flight_is_fenced(
     engine.add("b", [*range(100, 200), *[5] * 30], max_tokens=2)
     engine.run()
     assert engine.scheduled_at("b")[0][0] == 96  # the window came back from the tier, checked
+
+
+def test_a_mamba_hybrid_loads_the_state_and_the_attention_prefix_back(model_config: Any) -> None:
+    engine = build_engine(model_config, full_and_mamba(), kvferry(), mamba_cache_mode="align")
+    session = engine.connector.scheduler_side.session
+    assert [g.kind for g in session.config.groups] == [GroupKind.FULL_ATTENTION, GroupKind.MAMBA]
+    engine.add("a", list(range(100, 250)), max_tokens=4)
+    engine.run()
+    engine.evict_gpu()
+    engine.add("b", [*range(100, 200), *[5] * 30], max_tokens=3)
+    engine.run()
+    # A Mamba state exists where a prefill step of "a" ended (64, 128, ...): the longest
+    # shared boundary with one is 64, whose state and four attention blocks are loaded.
+    assert engine.scheduled_at("b")[0][0] == 64
+    assert session.counters().hits == 5
+    assert engine.finish_reasons() == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}

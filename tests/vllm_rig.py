@@ -34,7 +34,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_offload.base import TransferResult
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -282,11 +282,14 @@ class Engine:
             first = 0 if window is None else max(0, computed - window + 1)
             if chunk is not None:  # chunked local attention reads its own chunk only
                 first = computed - computed % chunk
+            mamba = isinstance(spec, MambaSpec)
+            if mamba:  # a Mamba layer reads the state after the last computed token only
+                first = max(0, computed - 1)
             size, kernel = spec.block_size, self.kernel_block_sizes[gid]
             for p in range(first, computed):
                 block = tables[gid][p // size]
                 assert block != 0, f"{rid}: group {gid} lost position {p} (null block)"
-                offset = p % size
+                offset = 0 if mamba else p % size
                 for index, layer in enumerate(group.layer_names):
                     got = self._slot(
                         layer, block * (size // kernel) + offset // kernel, offset % kernel
@@ -298,7 +301,8 @@ class Engine:
                     self.checked_positions += 1
 
     def forward(self, rid: str, computed: int, count: int) -> None:
-        """Write the KV of positions `computed .. computed + count` of `rid`."""
+        """Write the KV of positions `computed .. computed + count` of `rid` (for a Mamba
+        group: the state after the last of them, as the whole page of its block)."""
         request = self.requests[rid]
         tokens = request.all_token_ids
         end = min(computed + count, len(tokens))
@@ -306,11 +310,13 @@ class Engine:
         tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
         for gid, group in enumerate(self.worker_config.kv_cache_groups):
             size, kernel = group.kv_cache_spec.block_size, self.kernel_block_sizes[gid]
-            for p in range(computed, end):
+            mamba = isinstance(group.kv_cache_spec, MambaSpec)
+            # A Mamba layer's page is its state after the last token its block has seen.
+            for p in range(max(computed, end - 1) if mamba else computed, end):
                 block = tables[gid][p // size]
                 if block == 0:
                     continue
-                offset = p % size
+                offset = 0 if mamba else p % size
                 for index, layer in enumerate(group.layer_names):
                     slot = self._slot(
                         layer, block * (size // kernel) + offset // kernel, offset % kernel
@@ -603,6 +609,7 @@ def build_engine(
     max_num_batched_tokens: int = 64,
     async_scheduling: bool = False,
     layout: str = "LBHNC",
+    mamba_cache_mode: str = "none",
 ) -> Engine:
     """Return an engine whose KV cache has the layers `specs`, `num_gpu_blocks` blocks each,
     planned and allocated by vLLM's own code on the CPU, with `transfer`'s connector."""
@@ -614,7 +621,9 @@ def build_engine(
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
     )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(
+        block_size=block_size, enable_prefix_caching=True, mamba_cache_mode=mamba_cache_mode
+    )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
