@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm_rig import (  # noqa: E402
@@ -74,6 +75,18 @@ def full_and_sliding() -> dict[str, Any]:
 def full_and_chunked_local() -> dict[str, Any]:
     specs = full_attention()
     specs["model.layers.1.self_attn.attn"] = _attention(attention_chunk_size=32)
+    return specs
+
+
+def full_and_mamba() -> dict[str, Any]:
+    specs = full_attention()
+    specs["model.layers.1.mixer"] = MambaSpec(
+        block_size=BLOCK,
+        shapes=((4, 32), (4, 96)),
+        dtypes=(torch.float16, torch.float16),
+        mamba_cache_mode="align",
+    )
+    del specs["model.layers.1.self_attn.attn"]
     return specs
 
 
@@ -126,6 +139,7 @@ class Flow:
     blocks_per_chunk: int = 1
     store_decoded_tokens: bool = False
     num_gpu_blocks: int = 64
+    mamba_cache_mode: str = "none"
     differences: frozenset[str] = frozenset()
 
 
@@ -146,6 +160,13 @@ FLOWS = [
         full_and_sliding,
         long_prompts,
         differences=frozenset({"sliding-window-blocks", "sliding-window-hits"}),
+    ),
+    Flow(
+        "Mamba beside full attention",
+        full_and_mamba,
+        long_prompts,
+        mamba_cache_mode="align",
+        differences=frozenset({"mamba-states", "mamba-hits"}),
     ),
     Flow(
         "chunked local attention beside full attention",
@@ -170,6 +191,7 @@ class Model:
     """What the classifier needs to know of the engine's KV cache and requests."""
 
     sliding: frozenset[int]
+    mamba: frozenset[int]
     left_alone: frozenset[int]
     prompt_blocks: dict[str, int]
     """Each request's full prompt blocks (later ones hold generated tokens)."""
@@ -205,6 +227,8 @@ def _store_differences(ours: StepDecisions, theirs: StepDecisions, model: Model)
                 found.add("unknown-kind")
             elif o < k and gid in model.sliding:
                 found.add("sliding-window-blocks")
+            elif o < k and gid in model.mamba:
+                found.add("mamba-states")
             elif o < k and all(
                 _first_index(ours.stores, rid, gid, b) >= model.prompt_blocks[rid] for b in k - o
             ):
@@ -219,8 +243,11 @@ def _lookup_differences(ours: StepDecisions, theirs: StepDecisions, model: Model
     for (rid, computed, k), (rid2, computed2, o) in zip(ours.lookups, theirs.lookups, strict=False):
         if (rid, computed, k) == (rid2, computed2, o):
             continue
-        if (rid, computed) == (rid2, computed2) and model.sliding and (k or 0) > (o or 0):
+        more = (rid, computed) == (rid2, computed2) and (k or 0) > (o or 0)
+        if more and model.sliding:
             found.add("sliding-window-hits")
+        elif more and model.mamba:
+            found.add("mamba-hits")
         else:
             found.add(f"unexplained lookup: {(rid, computed, k)} / {(rid2, computed2, o)}")
     if len(ours.lookups) != len(theirs.lookups):
@@ -286,7 +313,11 @@ def run_flow(model_config: Any, flow: Flow) -> set[str]:
         ),
     ):
         engine = build_engine(
-            model_config, flow.specs(), transfer, num_gpu_blocks=flow.num_gpu_blocks
+            model_config,
+            flow.specs(),
+            transfer,
+            num_gpu_blocks=flow.num_gpu_blocks,
+            mamba_cache_mode=flow.mamba_cache_mode,
         )
         flow.run(engine)
         engines.append(engine)
@@ -295,6 +326,9 @@ def run_flow(model_config: Any, flow: Flow) -> set[str]:
     model = Model(
         sliding=frozenset(
             gid for gid, g in enumerate(groups) if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+        ),
+        mamba=frozenset(
+            gid for gid, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)
         ),
         left_alone=frozenset(range(len(groups)))
         - set(ours.connector.get_loaded_kv_cache_group_ids(None)),
