@@ -29,7 +29,6 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_kv_cac
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
-    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     group_kernel_blocks,
 )
@@ -41,7 +40,7 @@ from kvferry.adapters.messages import (
     encode_jobs,
 )
 from kvferry.adapters.session import OffloadSession, RunningRequest
-from kvferry.adapters.vllm import blocks_from_vllm, group_kind_of
+from kvferry.adapters.vllm import blocks_from_vllm, group_spec_from_vllm
 from kvferry.adapters.vllm_settings import ConnectorSettings
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
@@ -63,6 +62,7 @@ layers outermost, then blocks, so every layer's page of a block is one contiguou
 PAGE_LAYOUTS: dict[GroupKind, TensorLayout] = {
     GroupKind.FULL_ATTENTION: TensorLayout.MLA,
     GroupKind.SLIDING_WINDOW: TensorLayout.MLA,
+    GroupKind.CHUNKED_LOCAL_ATTENTION: TensorLayout.MLA,
     GroupKind.MAMBA: TensorLayout.MAMBA,
 }
 """The kvferry layout rule each group kind's layer pages are described by. vLLM 0.33 keeps a
@@ -160,24 +160,13 @@ def _read_groups(kv_cache_config: KVCacheConfig) -> _Groups:
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         if gid not in cacheable:
             continue
-        spec = _layer_spec(group.kv_cache_spec)
         try:
-            kind = group_kind_of(spec, group=gid)
+            spec = group_spec_from_vllm(_layer_spec(group.kv_cache_spec), group=gid)
         except InvalidInputError:
             left_alone.append(gid)
             continue
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        if kind is GroupKind.SLIDING_WINDOW and window is None:
-            left_alone.append(gid)
-            continue
         offloaded.append(gid)
-        specs.append(
-            GroupSpec(
-                kind=kind,
-                block_size=int(spec.block_size),
-                sliding_window=window if kind is GroupKind.SLIDING_WINDOW else None,
-            )
-        )
+        specs.append(spec)
     kinds = [type(_layer_spec(g.kv_cache_spec)).__name__ for g in kv_cache_config.kv_cache_groups]
     if left_alone:
         names = ", ".join(f"group {gid} ({kinds[gid]})" for gid in left_alone)
