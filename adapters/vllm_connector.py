@@ -348,15 +348,17 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Return `(delay_free, None)`; see `request_finished_all_groups`."""
-        return self.scheduler_side.request_finished(request)
+        return self.scheduler_side.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Return `(delay_free, None)`: True while the request's stores still read its
-        blocks (vLLM frees them when a worker report lists it finished sending). Never True
-        for a request vLLM already holds because its load is in flight."""
-        return self.scheduler_side.request_finished(request)
+        blocks (vLLM frees them when a worker report lists it finished sending). Its chunks
+        not stored yet (refused earlier while the tier was full) are offered once more, from
+        `block_ids`, its final block table. Never True for a request vLLM already holds
+        because its load is in flight."""
+        return self.scheduler_side.request_finished(request, block_ids)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Return the CPU tier's events since the last call, one per hash block."""
@@ -608,18 +610,30 @@ class _SchedulerSide:
         self._loading -= set(connector_output.finished_recving or ())
         for rid in connector_output.finished_sending or ():
             self._held.pop(rid, None)
+            self._requests.pop(rid, None)
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        jobs = self._session.finish(rid)
-        self._requests.pop(rid, None)
+        last = None
+        if rid not in self._loading and self._session.request_state(rid) is not None:
+            last = RunningRequest(
+                request_id=rid,
+                blocks=tuple(_group_blocks(block_ids[gid]) for gid in self._shape.groups.offloaded),
+                num_computed_tokens=min(request.num_computed_tokens, request.num_tokens - 1),
+                num_scheduled_tokens=0,
+                num_tokens=request.num_tokens,
+                block_hashes=request.block_hashes,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        jobs = self._session.finish(rid, last=last)
         self._computed.pop(rid, None)
-        if rid in self._loading:
+        if rid in self._loading or not jobs:
             # vLLM holds a loading request's blocks until its finished-receiving report.
+            self._requests.pop(rid, None)
             return False, None
-        if not jobs:
-            return False, None
-        self._held[rid] = jobs
+        self._held[rid] = jobs  # its request is kept for the events of its last store
         return True, None
 
     def take_events(self) -> list[KVCacheEvent]:

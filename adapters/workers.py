@@ -17,11 +17,17 @@ from typing import Any, NoReturn, Protocol
 
 import attrs
 
-from kvferry.adapters.messages import Completions, decode_completions, encode_jobs
+from kvferry.adapters.messages import (
+    Completions,
+    decode_completions,
+    decode_jobs,
+    encode_completions,
+    encode_jobs,
+)
 from kvferry.adapters.session import CompletionReport, OffloadSession, RecomputeRange
-from kvferry.adapters.vllm import ConnectorMetadata, KvferryConnectorWorker
-from kvferry.core.bound import BoundPlan
+from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.errors import InvalidInputError, KvferryError
+from kvferry.core.plan import Direction
 from kvferry.executors.base import Executor
 
 DEFAULT_REPLY_TIMEOUT = 120.0
@@ -126,8 +132,45 @@ def _error_reply(error: BaseException) -> tuple[str, str, str, str]:
     return (_ERROR, type(error).__name__, str(error), text)
 
 
+class _Runner:
+    """One rank's job runner: waits for the jobs to flush, submits a step's loads before its
+    stores, and reports every job that ended as a completion message of its rank."""
+
+    def __init__(self, executor: Executor, rank: int) -> None:
+        self.executor = executor
+        self._rank = rank
+        self._in_flight: set[int] = set()
+        self._results: list[JobResult] = []
+
+    def step(self, jobs: bytes, flush: Sequence[int]) -> bytes:
+        """Run one step's message; return the completion message of what ended since."""
+        self._collect(self.executor.wait([job for job in flush if job in self._in_flight]))
+        bound = decode_jobs(jobs)
+        for direction in (Direction.LOAD, Direction.STORE):
+            for job in bound:
+                if job.plan.direction is direction:
+                    self.executor.submit(job)
+                    self._in_flight.add(job.job_id)
+        self._collect(self.executor.poll())
+        return self._message()
+
+    def shutdown(self) -> bytes:
+        """Drain and close the executor; return the completion message of what was left."""
+        self._collect(self.executor.close())
+        return self._message()
+
+    def _collect(self, results: Iterable[JobResult]) -> None:
+        for result in results:
+            self._in_flight.discard(result.job_id)
+            self._results.append(result)
+
+    def _message(self) -> bytes:
+        results, self._results = self._results, []
+        return encode_completions(self._rank, results)
+
+
 def _serve(conn: multiprocessing.connection.Connection, shard: WorkerShard, rank: int) -> None:
-    connector = KvferryConnectorWorker(shard.executor, rank=rank)
+    connector = _Runner(shard.executor, rank)
     try:
         while True:
             try:
@@ -138,10 +181,7 @@ def _serve(conn: multiprocessing.connection.Connection, shard: WorkerShard, rank
             try:
                 if tag == _STEP:
                     _, jobs, flush = message
-                    connector.bind_connector_metadata(ConnectorMetadata(jobs=jobs, flush=flush))
-                    connector.start_load_kv()
-                    connector.wait_for_save()
-                    reply: tuple[Any, ...] = (_OK, connector.get_finished())
+                    reply: tuple[Any, ...] = (_OK, connector.step(jobs, flush))
                 elif tag == _CALL:
                     _, name, payload = message
                     handler = shard.handlers.get(name)

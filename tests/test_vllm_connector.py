@@ -344,3 +344,24 @@ def test_a_mamba_hybrid_loads_the_state_and_the_attention_prefix_back(model_conf
     assert engine.scheduled_at("b")[0][0] == 64
     assert session.counters().hits == 5
     assert engine.finish_reasons() == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
+
+
+def test_a_finished_request_stores_the_chunks_refused_while_the_tier_was_full(
+    model_config: Any,
+) -> None:
+    # Two rows: one 16-token page of each of the two layers per row.
+    engine = build_engine(model_config, full_attention(), kvferry(cpu_bytes_to_use=2 * 2048))
+    delayed = engine.wrap_executor(
+        lambda inner: DelayedExecutor(inner, lambda job: job.plan.request_id == "other")
+    )
+    engine.add("other", list(range(500, 532)), max_tokens=1)
+    engine.step()  # its two chunks take both rows, still being written
+    engine.add("a", [*PROMPT[:32], 7], max_tokens=1)
+    engine.on_forward = lambda engine, output: delayed.release()
+    engine.step()  # a's chunks find no room; a finishes: they are offered once more
+    engine.on_forward = None
+    engine.run()
+    engine.evict_gpu()
+    engine.add("b", [*PROMPT[:32], 8, 9], max_tokens=1)
+    engine.run()
+    assert engine.scheduled_at("b")[0][0] == 32
