@@ -4,6 +4,8 @@ KV bytes checked before each forward pass (`vllm_rig.Engine.check`)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ if not vllm.__version__.startswith("0.33."):
     pytest.skip(f"vLLM 0.33 is not installed (found {vllm.__version__})", allow_module_level=True)
 
 import torch  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_events import BlockStored  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
@@ -365,3 +368,18 @@ def test_a_finished_request_stores_the_chunks_refused_while_the_tier_was_full(
     engine.add("b", [*PROMPT[:32], 8, 9], max_tokens=1)
     engine.run()
     assert engine.scheduled_at("b")[0][0] == 32
+
+
+def test_the_json_line_of_the_docs_with_the_cpu_executor_serves_a_reload(
+    model_config: Any,
+) -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "embedding.md").read_text()
+    line = re.search(r"--kv-transfer-config '(.*?)'", page, re.S)
+    assert line is not None
+    settings = json.loads(line.group(1))
+    assert settings["kv_connector_extra_config"]["executor"] == "torch"
+    settings["kv_connector_extra_config"].update(executor="cpu", cpu_bytes_to_use=1 << 22)
+    engine = build_engine(model_config, full_attention(), KVTransferConfig(**settings))
+    serve_then_reload(engine, tail=[7, 8, 9])
+    assert type(engine.connector).__name__ == "KvferryConnector"
+    assert engine.scheduled_at("b")[0][0] == 64
