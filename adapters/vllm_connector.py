@@ -29,7 +29,6 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_kv_cac
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
-    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     group_kernel_blocks,
 )
@@ -41,7 +40,7 @@ from kvferry.adapters.messages import (
     encode_jobs,
 )
 from kvferry.adapters.session import OffloadSession, RunningRequest
-from kvferry.adapters.vllm import blocks_from_vllm, group_kind_of
+from kvferry.adapters.vllm import blocks_from_vllm, group_spec_from_vllm
 from kvferry.adapters.vllm_settings import ConnectorSettings
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
@@ -63,6 +62,7 @@ layers outermost, then blocks, so every layer's page of a block is one contiguou
 PAGE_LAYOUTS: dict[GroupKind, TensorLayout] = {
     GroupKind.FULL_ATTENTION: TensorLayout.MLA,
     GroupKind.SLIDING_WINDOW: TensorLayout.MLA,
+    GroupKind.CHUNKED_LOCAL_ATTENTION: TensorLayout.MLA,
     GroupKind.MAMBA: TensorLayout.MAMBA,
 }
 """The kvferry layout rule each group kind's layer pages are described by. vLLM 0.33 keeps a
@@ -160,24 +160,13 @@ def _read_groups(kv_cache_config: KVCacheConfig) -> _Groups:
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         if gid not in cacheable:
             continue
-        spec = _layer_spec(group.kv_cache_spec)
         try:
-            kind = group_kind_of(spec, group=gid)
+            spec = group_spec_from_vllm(_layer_spec(group.kv_cache_spec), group=gid)
         except InvalidInputError:
             left_alone.append(gid)
             continue
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        if kind is GroupKind.SLIDING_WINDOW and window is None:
-            left_alone.append(gid)
-            continue
         offloaded.append(gid)
-        specs.append(
-            GroupSpec(
-                kind=kind,
-                block_size=int(spec.block_size),
-                sliding_window=window if kind is GroupKind.SLIDING_WINDOW else None,
-            )
-        )
+        specs.append(spec)
     kinds = [type(_layer_spec(g.kv_cache_spec)).__name__ for g in kv_cache_config.kv_cache_groups]
     if left_alone:
         names = ", ".join(f"group {gid} ({kinds[gid]})" for gid in left_alone)
@@ -359,15 +348,17 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Return `(delay_free, None)`; see `request_finished_all_groups`."""
-        return self.scheduler_side.request_finished(request)
+        return self.scheduler_side.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Return `(delay_free, None)`: True while the request's stores still read its
-        blocks (vLLM frees them when a worker report lists it finished sending). Never True
-        for a request vLLM already holds because its load is in flight."""
-        return self.scheduler_side.request_finished(request)
+        blocks (vLLM frees them when a worker report lists it finished sending). Its chunks
+        not stored yet (refused earlier while the tier was full) are offered once more, from
+        `block_ids`, its final block table. Never True for a request vLLM already holds
+        because its load is in flight."""
+        return self.scheduler_side.request_finished(request, block_ids)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """Return the CPU tier's events since the last call, one per hash block."""
@@ -506,6 +497,10 @@ class _SchedulerSide:
         self._ready: list[tuple[str, bool]] = []
         self._held: dict[str, frozenset[int]] = {}
         self._flush: set[int] = set()
+        self._fenced: dict[int, set[int]] = {}
+        """GPU blocks of sliding-window and Mamba groups that stores in flight read, with
+        those stores: vLLM frees such a block while its request runs, once the window has
+        passed it, and may hand it out again before the store has read it."""
         self._chunks: dict[OffloadKey, _Chunk] = {}
         self._counted = shape_counters(self._session)
 
@@ -556,12 +551,14 @@ class _SchedulerSide:
         if job is None:
             self._ready.append((rid, True))
             return
+        self._fence_reallocated_ids(job.plan.gpu_block_ids)
         self._loads.append(job)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvferryConnectorMetadata:
         for rid in scheduler_output.preempted_req_ids or ():
             if self._session.request_state(rid) is not None:
                 self._flush |= self._session.preempt(rid)
+        self._fence_reallocated(scheduler_output)
         block_state = scheduler_output.kv_connector_block_state
         running = []
         for rid, computed in _scheduled(scheduler_output):
@@ -588,6 +585,7 @@ class _SchedulerSide:
         step = self._session.start_stores(running)
         for job in step.jobs:
             self._remember_chunks(job)
+            self._fence(job)
         jobs, self._loads = [*self._loads, *step.jobs], []
         meta = KvferryConnectorMetadata(
             jobs=encode_jobs(jobs),
@@ -607,22 +605,35 @@ class _SchedulerSide:
                 )
             for message in meta.messages:
                 completions = decode_completions(message)
-                self._session.report(completions.worker, completions.results)
+                report = self._session.report(completions.worker, completions.results)
+                self._unfence({*report.completed, *report.failed})
         self._loading -= set(connector_output.finished_recving or ())
         for rid in connector_output.finished_sending or ():
             self._held.pop(rid, None)
+            self._requests.pop(rid, None)
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        jobs = self._session.finish(rid)
-        self._requests.pop(rid, None)
+        last = None
+        if rid not in self._loading and self._session.request_state(rid) is not None:
+            last = RunningRequest(
+                request_id=rid,
+                blocks=tuple(_group_blocks(block_ids[gid]) for gid in self._shape.groups.offloaded),
+                num_computed_tokens=min(request.num_computed_tokens, request.num_tokens - 1),
+                num_scheduled_tokens=0,
+                num_tokens=request.num_tokens,
+                block_hashes=request.block_hashes,
+                num_prompt_tokens=request.num_prompt_tokens,
+            )
+        jobs = self._session.finish(rid, last=last)
         self._computed.pop(rid, None)
-        if rid in self._loading:
+        if rid in self._loading or not jobs:
             # vLLM holds a loading request's blocks until its finished-receiving report.
+            self._requests.pop(rid, None)
             return False, None
-        if not jobs:
-            return False, None
-        self._held[rid] = jobs
+        self._held[rid] = jobs  # its request is kept for the events of its last store
         return True, None
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -648,6 +659,7 @@ class _SchedulerSide:
 
     def reset_cache(self) -> None:
         self._flush |= self._session.reset()
+        self._fenced.clear()
         self._chunks.clear()
         self._loading.clear()
 
@@ -660,6 +672,35 @@ class _SchedulerSide:
         self._counted = now
         stats = KvferryConnectorStats(data=moved)
         return None if stats.is_empty() else stats
+
+    def _fence(self, store: BoundPlan) -> None:
+        """Remember the blocks of `store` that vLLM may free before the request ends."""
+        plan = store.plan
+        start = 0
+        for index, size in enumerate(plan.group_sizes):
+            if self._shape.config.groups[index].kind is not GroupKind.FULL_ATTENTION:
+                for block in plan.gpu_block_ids[start : start + size]:
+                    self._fenced.setdefault(int(block), set()).add(store.job_id)
+            start += size
+
+    def _unfence(self, jobs: set[int]) -> None:
+        if not jobs or not self._fenced:
+            return
+        for block in list(self._fenced):
+            self._fenced[block] -= jobs
+            if not self._fenced[block]:
+                del self._fenced[block]
+
+    def _fence_reallocated(self, scheduler_output: Any) -> None:
+        """Make the workers wait, before this step's forward pass, for the stores still
+        reading a block vLLM hands out again in this step (as vLLM's own connector does)."""
+        self._fence_reallocated_ids(_allocated_blocks(scheduler_output))
+
+    def _fence_reallocated_ids(self, blocks: Iterable[int]) -> None:
+        if not self._fenced:
+            return
+        for block in blocks:
+            self._flush |= self._fenced.get(int(block), set())
 
     def _remember_chunks(self, job: BoundPlan) -> None:
         request = self._requests[job.plan.request_id]
@@ -723,6 +764,18 @@ def _index_of(hashes: Sequence[bytes], block_hash: bytes) -> int:
 def _group_blocks(ids: Sequence[int]) -> GroupBlocks:
     """Return one group's GroupBlocks of vLLM's current table: id 0 is vLLM's null block."""
     return GroupBlocks.of(list(ids), null=[i for i, block in enumerate(ids) if block == 0])
+
+
+def _allocated_blocks(scheduler_output: Any) -> Iterator[int]:
+    """Yield the GPU blocks vLLM allocated in this step (every group's new ids)."""
+    for data in scheduler_output.scheduled_new_reqs:
+        for ids in data.block_ids:
+            yield from ids
+    for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        for ids in new_ids or ():
+            yield from ids
+    for copy in scheduler_output.kv_cache_block_copies or ():
+        yield copy.dst_block_id
 
 
 def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, int]]:

@@ -23,7 +23,7 @@ SETTINGS: dict[str, str] = {
     '"arc" or "tail_first"',
 }
 """Every key kvferry reads from `kv_connector_extra_config`, with what it means; drives the
-parser, its error messages and docs/vllm.md."""
+parser, its error messages and docs/embedding.md."""
 
 
 def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:

@@ -21,11 +21,17 @@ from typing import Any, NoReturn, Protocol
 
 import attrs
 
-from kvferry.adapters.messages import Completions, decode_completions, encode_jobs
+from kvferry.adapters.messages import (
+    Completions,
+    decode_completions,
+    decode_jobs,
+    encode_completions,
+    encode_jobs,
+)
 from kvferry.adapters.session import CompletionReport, OffloadSession, RecomputeRange
-from kvferry.adapters.vllm import ConnectorMetadata, KvferryConnectorWorker
-from kvferry.core.bound import BoundPlan
+from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.errors import InvalidInputError, KvferryError
+from kvferry.core.plan import Direction
 from kvferry.executors.base import Executor
 
 DEFAULT_REPLY_TIMEOUT = 120.0
@@ -142,12 +148,60 @@ def _error_reply(error: BaseException, tag: str = _ERROR) -> tuple[str, str, str
     return (tag, type(error).__name__, str(error), text)
 
 
+class _Runner:
+    """One rank's job runner: waits for the jobs to flush, submits a step's loads before its
+    stores, and reports every job that ended as a completion message of its rank. A job this
+    rank refuses at submit is reported as failed (other ranks may have run it), never left in
+    flight."""
+
+    def __init__(self, executor: Executor, rank: int) -> None:
+        self.executor = executor
+        self._rank = rank
+        self._in_flight: set[int] = set()
+        self._results: list[JobResult] = []
+
+    def step(self, jobs: bytes, flush: Sequence[int]) -> bytes:
+        """Run one step's message; return the completion message of what ended since."""
+        self._collect(self.executor.wait([job for job in flush if job in self._in_flight]))
+        bound = decode_jobs(jobs)
+        for direction in (Direction.LOAD, Direction.STORE):
+            self._submit([job for job in bound if job.plan.direction is direction])
+        self._collect(self.executor.poll())
+        return self._message()
+
+    def shutdown(self) -> bytes:
+        """Drain and close the executor; return the completion message of what was left."""
+        self._collect(self.executor.close())
+        return self._message()
+
+    def _submit(self, jobs: Sequence[BoundPlan]) -> None:
+        for job in jobs:
+            try:
+                self.executor.submit(job)
+            except KvferryError as error:
+                reason = f"refused by rank {self._rank}: {type(error).__name__}: {error}"
+                self._results.append(
+                    JobResult(job_id=job.job_id, success=False, nbytes=0, seconds=0.0, error=reason)
+                )
+                continue
+            self._in_flight.add(job.job_id)
+
+    def _collect(self, results: Iterable[JobResult]) -> None:
+        for result in results:
+            self._in_flight.discard(result.job_id)
+            self._results.append(result)
+
+    def _message(self) -> bytes:
+        results, self._results = self._results, []
+        return encode_completions(self._rank, results)
+
+
 _GONE = (EOFError, OSError)
 """What the pipe raises once the scheduler side is gone (EOF, a broken pipe, a reset)."""
 
 
 def _answer(
-    connector: KvferryConnectorWorker,
+    connector: _Runner,
     handlers: Mapping[str, Handler],
     message: tuple[Any, ...],
 ) -> tuple[Any, ...]:
@@ -156,10 +210,7 @@ def _answer(
     try:
         if tag == _STEP:
             _, jobs, flush = message
-            connector.bind_connector_metadata(ConnectorMetadata(jobs=jobs, flush=flush))
-            connector.start_load_kv()
-            connector.wait_for_save()
-            return (_OK, connector.get_finished())
+            return (_OK, connector.step(jobs, flush))
         if tag == _CALL:
             _, name, payload = message
             handler = handlers.get(name)
@@ -190,7 +241,7 @@ def _reply(conn: multiprocessing.connection.Connection, reply: tuple[Any, ...]) 
 
 def _serve(
     conn: multiprocessing.connection.Connection,
-    connector: KvferryConnectorWorker,
+    connector: _Runner,
     handlers: Mapping[str, Handler],
 ) -> None:
     """Answer commands until close (drain, report what was left) or until the scheduler side
@@ -234,7 +285,7 @@ def worker_main(
         executor = shard.executor
         if not isinstance(executor, Executor):
             raise InvalidInputError(field="executor", expected="an Executor", got=executor)
-        connector = KvferryConnectorWorker(executor, rank=rank)
+        connector = _Runner(executor, rank)
         info = WorkerInfo(
             rank=rank,
             pid=os.getpid(),

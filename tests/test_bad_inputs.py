@@ -1082,18 +1082,10 @@ CASES = [
                 group=1,
             ),
             Case(
-                "vLLM: one id list short",
-                lambda w: _vllm().group_blocks_from_ids(CONFIG, [[1, 2]], num_computed_tokens=0),
+                "vLLM: block tables that are no sequence",
+                lambda w: _vllm().blocks_from_vllm(7),
                 BAD,
-                "block_ids",
-            ),
-            Case(
-                "vLLM: a block id as a string",
-                lambda w: _vllm().group_blocks_from_ids(
-                    CONFIG, [["1", "2"], [3]], num_computed_tokens=0
-                ),
-                BAD,
-                "ids",
+                "blocks",
             ),
         ]
         if importlib.util.find_spec("kvferry.adapters.vllm")

@@ -1,7 +1,4 @@
-"""The worked examples of docs/semantics.md quote their golden files exactly.
-
-(The engine loop of docs/embedding.md runs in tests/test_docs_code_blocks.py.)
-"""
+"""The worked examples of docs/semantics.md quote their golden files exactly."""
 
 from __future__ import annotations
 

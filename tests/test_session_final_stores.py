@@ -5,14 +5,10 @@ CPU tier was full; the finished request's blocks are held until that last store 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 from session_fakes import FakeWorkers, blocks, prefix_hashes
 
-from kvferry.adapters.messages import decode_jobs, encode_completions
 from kvferry.adapters.session import OffloadSession, RunningRequest
-from kvferry.adapters.vllm import KvferryConnectorScheduler
-from kvferry.core.bound import JobResult
 from kvferry.core.catalog import Catalog, CatalogConfig
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.lookup import LookupResult
@@ -133,69 +129,3 @@ def test_a_finish_with_every_chunk_stored_plans_nothing_and_holds_nothing() -> N
 
     assert session.finish("turn-1", last=running("turn-1", TURN_IDS, 16, 0, 17)) == frozenset()
     assert session.start_stores([]).jobs == ()
-
-
-# -- the same through the vLLM-shaped facade, with its own call points ------------------------
-
-
-def request(rid: str, tokens: int, computed: int) -> SimpleNamespace:
-    """Return a vLLM-like request of `tokens` tokens (hash block `i` for tokens 4i..4i+3)."""
-    return SimpleNamespace(
-        request_id=rid,
-        num_tokens=tokens,
-        num_prompt_tokens=8,
-        num_computed_tokens=computed,
-        block_hashes=list(prefix_hashes(tokens // 4)),
-    )
-
-
-def output(
-    new: Sequence[tuple[str, list[int]]] = (), scheduled: dict[str, int] | None = None
-) -> SimpleNamespace:
-    """Return a vLLM-like scheduler output with only new requests."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[
-            SimpleNamespace(req_id=rid, block_ids=(ids,), num_computed_tokens=0) for rid, ids in new
-        ],
-        scheduled_cached_reqs=None,
-        num_scheduled_tokens=dict(scheduled or {}),
-        preempted_req_ids=set(),
-    )
-
-
-def done(jobs: Sequence[int]) -> bytes:
-    """Return one worker's message saying every job of `jobs` succeeded."""
-    return encode_completions(
-        0, [JobResult(job_id=j, success=True, nbytes=0, seconds=0.0) for j in jobs]
-    )
-
-
-def test_vllm_finished_request_stores_chunks_refused_while_the_tier_was_full() -> None:
-    session = OffloadSession(CONFIG, Catalog(CatalogConfig(capacity_rows=2)))
-    scheduler = KvferryConnectorScheduler(session)
-    other = SimpleNamespace(
-        request_id="other",
-        num_tokens=8,
-        num_prompt_tokens=8,
-        num_computed_tokens=0,
-        block_hashes=list(prefix_hashes(2, family=9)),
-    )
-    first = request("a", 8, 0)
-    for req in (other, first):
-        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
-        scheduler.update_state_after_alloc(req, SimpleNamespace(blocks=((),)), 0)
-    meta = scheduler.build_connector_meta(output([("other", [20, 21])], {"other": 8}))
-    writing = [job.job_id for job in decode_jobs(meta.jobs)]
-    meta = scheduler.build_connector_meta(output([("a", [1, 2, 3])], {"a": 8}))
-    assert decode_jobs(meta.jobs) == ()  # no room: both rows are being written
-    first.num_tokens, first.num_computed_tokens = 9, 8  # one token sampled: finished
-    scheduler.update_connector_output([done(writing)])
-
-    held, jobs = scheduler.request_finished(first, ([1, 2, 3],))
-
-    assert held
-    (last,) = decode_jobs(scheduler.build_connector_meta(output()).jobs)
-    assert set(jobs) == {last.job_id} and len(last.plan.keys) == 2
-    assert scheduler.update_connector_output([done([last.job_id])]).finished_sending == {"a"}
-    again = request("b", 12, 0)
-    assert scheduler.get_num_new_matched_tokens(again, 0) == (8, True)

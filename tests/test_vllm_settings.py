@@ -67,9 +67,9 @@ def test_a_bad_value_is_refused_naming_its_key(key: str, value: object) -> None:
         ConnectorSettings.from_extra_config({"cpu_bytes_to_use": 1024, key: value})
 
 
-def test_every_setting_is_documented_in_docs_vllm() -> None:
+def test_every_setting_is_documented_in_docs_embedding() -> None:
     from pathlib import Path
 
-    page = (Path(__file__).parent.parent / "docs" / "vllm.md").read_text()
+    page = (Path(__file__).parent.parent / "docs" / "embedding.md").read_text()
     for key in SETTINGS:
         assert f"`{key}`" in page

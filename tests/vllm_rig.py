@@ -34,12 +34,16 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_offload.base import TransferResult
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvferry.adapters.messages import decode_jobs
+from kvferry.core.plan import Direction
 
 TINY_MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -106,6 +110,16 @@ class Engine:
     outputs: list[Any] = field(default_factory=list)
     """Every step's engine-core outputs (what `update_from_output` returned)."""
     on_forward: Callable[[Engine, Any], None] | None = None
+    verify: bool = True
+    """Check every computed position's bytes before each forward pass (False for a
+    connector whose worker moves no bytes here)."""
+    decisions: list[StepDecisions] = field(default_factory=list)
+    """What the scheduler-side connector decided at every step (`record_decisions`)."""
+    overlap: bool = False
+    """Schedule each step before the previous step's output is processed, as vLLM's engine
+    does with async scheduling (set by `build_engine(async_scheduling=True)`)."""
+    pending_update: tuple[Any, Any] | None = None
+    """The step scheduled and run whose output vLLM has not processed yet (`overlap`)."""
 
     @property
     def connector(self) -> Any:
@@ -129,13 +143,35 @@ class Engine:
         """Run one engine step as vLLM's model runner drives a connector; return the
         scheduler output. Before the forward pass, every scheduled request's computed
         positions are checked."""
+        self.decisions.append(StepDecisions())
         output = self.scheduler.schedule()
+        meta = output.kv_connector_metadata
+        self.decisions[-1].loads, self.decisions[-1].stores = transfers_of(
+            meta, self.connector, len(self.worker_config.kv_cache_groups)
+        )
+        self.history.append(output)
+        if self.pending_update is not None:
+            self._update(*self.pending_update)
+        runner_output = self._execute(output)
+        if self.overlap and output.total_num_scheduled_tokens > 0:
+            self.pending_update = (output, runner_output)
+        else:
+            self._update(output, runner_output)
+        return output
+
+    def _update(self, output: Any, runner_output: Any) -> None:
+        self.pending_update = None
+        self.outputs.append(self.scheduler.update_from_output(output, runner_output))
+
+    def _execute(self, output: Any) -> Any:
+        """Run the worker side and the stand-in model on one step; return the runner output."""
         meta = output.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         scheduled = self._scheduled(output)
         for rid, computed, _ in scheduled:
-            self.check(rid, computed, output)
+            if self.verify:
+                self.check(rid, computed, output)
         if self.on_forward is not None:
             self.on_forward(self, output)
         for rid, computed, count in scheduled:
@@ -156,15 +192,12 @@ class Engine:
             done = computed + count >= request.num_tokens
             sampled.append([next_token(request.all_token_ids)] if done else [])
         ids = [rid for rid, _, _ in scheduled]
-        runner_output = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=sampled,
             kv_connector_output=kv_output,
         )
-        self.history.append(output)
-        self.outputs.append(self.scheduler.update_from_output(output, runner_output))
-        return output
 
     def wrap_executor(self, wrap: Callable[[Any], Any]) -> Any:
         """Replace the worker's executor by `wrap(executor)` (a fault or delay wrapper)."""
@@ -202,7 +235,8 @@ class Engine:
         """Step until no request is left and no transfer is pending; return the steps."""
         for count in range(1, limit + 1):
             self.step()
-            if not self.scheduler.has_requests() and not self.connector.has_pending_push_work():
+            drained = not self.scheduler.has_requests() and self.pending_update is None
+            if drained and not self.connector.has_pending_push_work():
                 return count
         raise AssertionError(f"the engine did not drain in {limit} steps")
 
@@ -248,11 +282,14 @@ class Engine:
             first = 0 if window is None else max(0, computed - window + 1)
             if chunk is not None:  # chunked local attention reads its own chunk only
                 first = computed - computed % chunk
+            mamba = isinstance(spec, MambaSpec)
+            if mamba:  # a Mamba layer reads the state after the last computed token only
+                first = max(0, computed - 1)
             size, kernel = spec.block_size, self.kernel_block_sizes[gid]
             for p in range(first, computed):
                 block = tables[gid][p // size]
                 assert block != 0, f"{rid}: group {gid} lost position {p} (null block)"
-                offset = p % size
+                offset = 0 if mamba else p % size
                 for index, layer in enumerate(group.layer_names):
                     got = self._slot(
                         layer, block * (size // kernel) + offset // kernel, offset % kernel
@@ -264,7 +301,8 @@ class Engine:
                     self.checked_positions += 1
 
     def forward(self, rid: str, computed: int, count: int) -> None:
-        """Write the KV of positions `computed .. computed + count` of `rid`."""
+        """Write the KV of positions `computed .. computed + count` of `rid` (for a Mamba
+        group: the state after the last of them, as the whole page of its block)."""
         request = self.requests[rid]
         tokens = request.all_token_ids
         end = min(computed + count, len(tokens))
@@ -272,11 +310,13 @@ class Engine:
         tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
         for gid, group in enumerate(self.worker_config.kv_cache_groups):
             size, kernel = group.kv_cache_spec.block_size, self.kernel_block_sizes[gid]
-            for p in range(computed, end):
+            mamba = isinstance(group.kv_cache_spec, MambaSpec)
+            # A Mamba layer's page is its state after the last token its block has seen.
+            for p in range(max(computed, end - 1) if mamba else computed, end):
                 block = tables[gid][p // size]
                 if block == 0:
                     continue
-                offset = p % size
+                offset = 0 if mamba else p % size
                 for index, layer in enumerate(group.layer_names):
                     slot = self._slot(
                         layer, block * (size // kernel) + offset // kernel, offset % kernel
@@ -333,6 +373,198 @@ class DelayedExecutor:
         return [*kept, *self.inner.close()]
 
 
+@dataclass(frozen=True, order=True)
+class Transfer:
+    """One load or store a connector planned: the request, and per vLLM group the GPU blocks
+    and the index of the first one in the request's block table."""
+
+    request_id: str
+    blocks: tuple[tuple[int, ...], ...]
+    first: tuple[int, ...]
+
+
+@dataclass
+class StepDecisions:
+    """What a scheduler-side connector decided in one engine step."""
+
+    lookups: list[tuple[str, int, int | None]] = field(default_factory=list)
+    """(request, num_computed_tokens, tokens it offered: None = ask again) per lookup."""
+    loads: list[Transfer] = field(default_factory=list)
+    stores: list[Transfer] = field(default_factory=list)
+    finished: list[tuple[str, bool]] = field(default_factory=list)
+    """(request, whether vLLM must hold its blocks) per finished request."""
+
+
+def _transfer(
+    rid: str,
+    *,
+    ids: Sequence[int],
+    sizes: Sequence[int],
+    firsts: Sequence[int],
+    groups: Sequence[int],
+    total: int,
+) -> Transfer:
+    blocks: list[tuple[int, ...]] = [() for _ in range(total)]
+    first = [0] * total
+    start = 0
+    for gid, size, index in zip(groups, sizes, firsts, strict=True):
+        blocks[gid] = tuple(int(b) for b in ids[start : start + size])
+        first[gid] = int(index) if size else 0
+        start += size
+    return Transfer(rid, tuple(blocks), tuple(first))
+
+
+def transfers_of(
+    meta: Any, connector: Any, num_groups: int
+) -> tuple[list[Transfer], list[Transfer]]:
+    """Return the (loads, stores) one step's connector metadata carries, kvferry's or
+    vLLM's OffloadingConnector's, as GPU blocks per vLLM group."""
+    loads: list[Transfer] = []
+    stores: list[Transfer] = []
+    if hasattr(meta, "load_jobs"):  # vLLM's OffloadingConnector
+        everything = range(num_groups)
+        for job in meta.load_jobs.values():
+            spec = job.dst_spec
+            loads.append(
+                _transfer(
+                    job.req_id,
+                    ids=spec.block_ids,
+                    sizes=spec.group_sizes,
+                    firsts=spec.block_indices,
+                    groups=everything,
+                    total=num_groups,
+                )
+            )
+        for job in meta.store_jobs.values():
+            spec = job.src_spec
+            stores.append(
+                _transfer(
+                    job.req_id,
+                    ids=spec.block_ids,
+                    sizes=spec.group_sizes,
+                    firsts=spec.block_indices,
+                    groups=everything,
+                    total=num_groups,
+                )
+            )
+    else:
+        offloaded = connector.get_loaded_kv_cache_group_ids(None)
+        for bound in decode_jobs(meta.jobs):
+            plan = bound.plan
+            side = loads if plan.direction is Direction.LOAD else stores
+            side.append(
+                _transfer(
+                    plan.request_id,
+                    ids=plan.gpu_block_ids,
+                    sizes=plan.group_sizes,
+                    firsts=plan.block_indices,
+                    groups=offloaded,
+                    total=num_groups,
+                )
+            )
+    return sorted(loads), sorted(stores)
+
+
+def record_decisions(engine: Engine) -> None:
+    """Make the scheduler-side connector's lookups and finished answers land in
+    `engine.decisions` (its loads and stores are read from each step's metadata)."""
+    connector = engine.connector
+    lookup, finished = connector.get_num_new_matched_tokens, connector.request_finished_all_groups
+
+    def recorded_lookup(request: Any, num_computed_tokens: int, *args: Any) -> Any:
+        tokens, load_async = lookup(request, num_computed_tokens, *args)
+        engine.decisions[-1].lookups.append((request.request_id, num_computed_tokens, tokens))
+        return tokens, load_async
+
+    def recorded_finished(request: Any, block_ids: Any) -> Any:
+        delay, params = finished(request, block_ids)
+        engine.decisions[-1].finished.append((request.request_id, bool(delay)))
+        return delay, params
+
+    connector.get_num_new_matched_tokens = recorded_lookup
+    connector.request_finished_all_groups = recorded_finished
+
+
+class InstantOffloadingWorker:
+    """Stands in for the copy worker of vLLM's OffloadingConnector, which runs on GPUs only:
+    every submitted job succeeds at once and moves no bytes (its decisions are what is
+    compared, not its copies)."""
+
+    def __init__(self) -> None:
+        self._done: list[int] = []
+
+    def submit_store(self, job_id: int, src: Any, dst: Any) -> bool:
+        """Accept a store."""
+        self._done.append(job_id)
+        return True
+
+    def submit_load(self, job_id: int, src: Any, dst: Any, expedited: bool = False) -> bool:
+        """Accept a load."""
+        self._done.append(job_id)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        """Return every job accepted since the last call, succeeded."""
+        done, self._done = self._done, []
+        return [TransferResult(job_id=job_id, success=True) for job_id in done]
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Nothing to wait for."""
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+
+class DeferredExecutor:
+    """Wraps an executor and runs the jobs `defer` picks only when they are waited for or at
+    `release()`: a store still reading its GPU blocks long after it was submitted, as a copy
+    queued behind others on a GPU may. `reading()` names the blocks such stores still read."""
+
+    def __init__(self, inner: Any, defer: Callable[[Any], bool]) -> None:
+        self.inner = inner
+        self._defer = defer
+        self._deferred: dict[int, Any] = {}
+        self.waited: list[int] = []
+        """Deferred jobs that a wait (a fence) made run."""
+        self.layout = inner.layout
+        self.host_tier = inner.host_tier
+
+    def submit(self, bound: Any) -> int:
+        """Keep a deferred job back; submit the others."""
+        if self._defer(bound):
+            self._deferred[bound.job_id] = bound
+            return int(bound.job_id)
+        return int(self.inner.submit(bound))
+
+    def reading(self) -> set[int]:
+        """Return the GPU blocks deferred jobs have not read yet."""
+        return {int(b) for job in self._deferred.values() for b in job.plan.gpu_block_ids}
+
+    def poll(self) -> list[Any]:
+        """Return the ended jobs (deferred ones have not run)."""
+        return list(self.inner.poll())
+
+    def wait(self, job_ids: Any) -> list[Any]:
+        """Run the deferred jobs asked for, then wait for all of them."""
+        ids = list(job_ids)
+        for job_id in ids:
+            if job_id in self._deferred:
+                self.waited.append(job_id)
+                self.inner.submit(self._deferred.pop(job_id))
+        return list(self.inner.wait(ids))
+
+    def release(self) -> None:
+        """Run every deferred job, and defer none from now on."""
+        self._defer = lambda bound: False
+        for job_id in list(self._deferred):
+            self.inner.submit(self._deferred.pop(job_id))
+
+    def close(self) -> list[Any]:
+        """Run what is deferred and close the wrapped executor."""
+        self.release()
+        return list(self.inner.close())
+
+
 class EventRecorder:
     """Stands in for vLLM's KV-event publisher and keeps every event published."""
 
@@ -377,6 +609,7 @@ def build_engine(
     max_num_batched_tokens: int = 64,
     async_scheduling: bool = False,
     layout: str = "LBHNC",
+    mamba_cache_mode: str = "none",
 ) -> Engine:
     """Return an engine whose KV cache has the layers `specs`, `num_gpu_blocks` blocks each,
     planned and allocated by vLLM's own code on the CPU, with `transfer`'s connector."""
@@ -388,7 +621,9 @@ def build_engine(
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
     )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(
+        block_size=block_size, enable_prefix_caching=True, mamba_cache_mode=mamba_cache_mode
+    )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
@@ -426,8 +661,12 @@ def build_engine(
         worker_config, torch.device("cpu"), KVCacheLayout[layout], kernel_block_sizes
     )
     worker = type(scheduler.connector)(vllm_config, KVConnectorRole.WORKER, worker_config)
+    offloading = transfer.kv_connector == "OffloadingConnector"
+    if offloading:
+        inner = worker.connector_worker
+        inner._init_worker = lambda caches: setattr(inner, "worker", InstantOffloadingWorker())
     worker.register_kv_caches(kv_caches)
-    return Engine(
+    engine = Engine(
         vllm_config=vllm_config,
         scheduler=scheduler,
         worker=worker,
@@ -435,4 +674,8 @@ def build_engine(
         worker_config=worker_config,
         kernel_block_sizes=kernel_block_sizes,
         hash_block_size=hash_block_size,
+        verify=not offloading,
+        overlap=async_scheduling,
     )
+    record_decisions(engine)
+    return engine
