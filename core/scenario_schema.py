@@ -12,6 +12,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
+
 from kvferry.core.codec import SCHEMA_VERSION, config_to_dict
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError, member_named
@@ -42,7 +44,7 @@ _SAMPLE_CONFIG = OffloadConfig(
 )
 # The codec writes every field it reads: its output names the configuration's fields.
 _CONFIG_FIELDS = tuple(config_to_dict(_SAMPLE_CONFIG))
-_GROUP_FIELDS = tuple(config_to_dict(_SAMPLE_CONFIG)["groups"][0])
+_GROUP_FIELDS = tuple(field.name for field in attrs.fields(GroupSpec))
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})+", re.ASCII)
 _GROUP_INDEX = re.compile(r"0|[1-9][0-9]{0,5}", re.ASCII)
 _CACHED_BLOCK = re.compile(r"c(?:0|[1-9][0-9]{0,18})", re.ASCII)
@@ -94,9 +96,11 @@ def _check_config(config: JsonObject) -> tuple[int, int]:
         with group.building():
             member_named(GroupKind, group.get("kind", str), field="kind")
         group.count("block_size", low=1)
-        window = group.optional("sliding_window", None, int, type(None))
-        if window is not None and window < 1:
-            raise group.refuse("sliding_window", "an integer >= 1, or null", window)
+        for name in ("sliding_window", "attention_chunk_size"):
+            value = group.optional(name, None, int, type(None))
+            if value is not None and value < 1:
+                raise group.refuse(name, "an integer >= 1, or null", value)
+        group.count("extra_retained_tokens", default=0)
     return hash_block_size, len(groups)
 
 

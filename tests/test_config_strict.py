@@ -47,7 +47,7 @@ def test_the_largest_byte_count_still_parses() -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("staging_bytes", "64MiB"), ("submit_thread", "true")],
+    [("staging_bytes", "64MiB"), ("submit_thread", "false")],
 )
 def test_a_gpu_setting_with_a_host_executor_is_refused_not_ignored(key: str, value: str) -> None:
     config = KvferryConfig.from_env({CONFIG_KEYS[key].env: value})

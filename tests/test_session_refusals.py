@@ -55,7 +55,7 @@ def finish_r2(w: World) -> None:
 
 
 def lookup_r5_then_drop_its_keys(w: World) -> None:
-    found = w.session.lookup("r5", block_hashes=PROMPT, num_tokens=36, num_computed_tokens=0)
+    found = w.session.lookup("r5", block_hashes=PROMPT, num_tokens=35, num_computed_tokens=0)
     assert found.tokens > 0
     w.catalog.discard(list(w.session.request_state("r5").keys[0]))  # type: ignore[union-attr]
 
