@@ -187,7 +187,7 @@ def pyplot(log: TextIO | None) -> Any:
     if importlib.util.find_spec("matplotlib") is None:
         print(
             "kvferry bench: matplotlib is not installed, so no plot was drawn "
-            "(pip install 'kvferry[bench]')",
+            "(pip install -e '.[bench]' in a kvferry checkout)",
             file=log or sys.stderr,
         )
         return None
