@@ -268,13 +268,15 @@ def describe_tensor(
             {**seen, "kernel_blocks_per_block": k},
         )
     leading = shape[: rule.block_dim]
-    refs = []
+    refs: list[PageRef] = []
     for index in _all_indices(leading):
         offset = sum(i * s for i, s in zip(index, strides, strict=False)) * itemsize
         # a manager block's k kernel pages: one page when they touch, else one ref per page
-        parts = [(0, page_bytes * k)] if page_stride == page_bytes else [
-            (j * page_stride, page_bytes) for j in range(k)
-        ]
+        parts = (
+            [(0, page_bytes * k)]
+            if page_stride == page_bytes
+            else [(j * page_stride, page_bytes) for j in range(k)]
+        )
         refs.extend(
             PageRef(
                 address=address + offset + start,

@@ -40,8 +40,9 @@ REF_FIELDS = (
 """Columns of the ref table, in order (int64 each), one line per ref of every group, group
 after group. A page of the ref with GPU id `i` lies at `gpu_base + i * page_stride`; in a CPU
 row (and so in staging) the ref's `slots` (F) pages start `row_offset` bytes in, `slot_bytes`
-apart (the page's bytes: a row holds no padding), and a group's rows are `row_pitch` bytes. The kernel cuts a page into `pieces` pieces of
-at most `piece_bytes`; `piece_prefix` is the pieces per page of the group's refs before this one."""
+apart (the page's bytes: a row holds no padding), and a group's rows are `row_pitch` bytes.
+The kernel cuts a page into `pieces` pieces of at most `piece_bytes`; `piece_prefix` is the
+pieces per page of the group's refs before this one."""
 
 SLICE_FIELDS = (
     "first_ref",
