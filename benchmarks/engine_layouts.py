@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from kvferry.core.layout import TensorLayout
-from kvferry.executors.tensors import KVCacheEntry, KVTensor
+from kvferry.executors.tensors import KVCacheEntry, KVPages, KVTensor
 
 MODELS = ("llama", "gpt-oss", "jamba", "mla", "cross-layer", "synthetic")
 """Every model `engine_model` builds; `synthetic` is the transfer benchmark's own layout (32
@@ -237,9 +237,28 @@ ViewMaker = Callable[[Any, EngineView], Any]
 """`(buffer, view) -> tensor`: the framework's strided view of a raw byte buffer."""
 
 
-def kv_caches(model: Model, buffers: list[Any], view: ViewMaker) -> list[list[KVCacheEntry]]:
+def kv_caches(
+    model: Model, buffers: list[Any], view: ViewMaker, *, neutral: bool = False
+) -> list[list[KVCacheEntry]]:
     """Return the model's `kv_caches` for an executor: each engine view as a `KVTensor` of its
-    `TensorLayout`, made by `view` over `buffers` (one per `model.buffer_bytes`)."""
+    `TensorLayout`, made by `view` over `buffers` (one per `model.buffer_bytes`); with
+    `neutral`, each view's data regions as `KVPages` of the raw buffers instead."""
+    if neutral:
+        return [
+            [
+                KVPages(
+                    buffer=buffers[v.buffer],
+                    page_bytes=length,
+                    page_stride=v.stride_bytes,
+                    offset=start,
+                    num_blocks=model.num_blocks,
+                    name=f"group{g}.view{i}.region{r}",
+                )
+                for i, v in enumerate(group)
+                for r, (start, length) in enumerate(v.regions)
+            ]
+            for g, group in enumerate(model.groups)
+        ]
     return [
         [
             KVTensor(tensor=view(buffers[v.buffer], v), layout=v.layout, name=f"group{g}.view{i}")

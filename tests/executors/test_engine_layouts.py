@@ -1,5 +1,6 @@
 """vLLM's KV layouts (`kvferry.benchmarks.engine_layouts`) round trip byte-exact on every
-executor: the data bytes of the plan's pages arrive, and no other byte moves, on either side."""
+executor, registered as the engine's tensor views and as neutral `KVPages`: the data bytes of the
+plan's pages arrive, and no other byte moves, on either side."""
 
 from __future__ import annotations
 
@@ -91,8 +92,9 @@ def _moves(model: Model, rng: np.random.Generator, f: int, rows: list[int]) -> l
 @pytest.mark.parametrize("name", EXECUTORS)
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("f", [1, 2])
+@pytest.mark.parametrize("neutral", [False, True], ids=["views", "pages"])
 def test_an_engine_layout_round_trips_its_pages_data_and_touches_nothing_else(
-    name: str, model_name: str, f: int
+    name: str, model_name: str, f: int, neutral: bool
 ) -> None:
     if name == "cupy":
         pytest.importorskip("cupy")
@@ -104,7 +106,7 @@ def test_an_engine_layout_round_trips_its_pages_data_and_touches_nothing_else(
         backend.write(b, rng.integers(0, 256, len(backend.read(b)), dtype=np.uint8))
     executor = make_executor(
         name,
-        kv_caches=kv_caches(model, buffers, backend.view),
+        kv_caches=kv_caches(model, buffers, backend.view, neutral=neutral),
         blocks_per_chunk=f,
         num_rows=ROWS,
     )
