@@ -215,7 +215,7 @@ def build_layout(
             if geometry.on_gpu != on_gpu:
                 where = "CUDA" if on_gpu else "host"
                 raise InvalidInputError(
-                    group=g, field=name, expected=f"{where} memory", got=geometry.device
+                    group=g, field=name, expected=f"{where} tensors", got=geometry.device
                 )
             tensor_refs = _entry_refs(item, geometry, g, name)
             group_geometry.append(
