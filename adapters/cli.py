@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
         "kvferry; every page loaded is verified. Settings: defaults < --config file < "
         "KVFERRY_* variables < flags.",
     )
-    demo.add_argument("--profile", default="llama", help="llama (default), gpt-oss or jamba")
+    demo.add_argument(
+        "--profile", default="llama", help="llama (default), gpt-oss, jamba or llama4"
+    )
     demo.add_argument("--requests", type=_positive, default=64, help="chat turns (default 64)")
     demo.add_argument("--seed", type=_nonnegative, default=0, help="workload seed (default 0)")
     demo.add_argument("--executor", help="cpu (default), torch or cupy")

@@ -23,7 +23,7 @@ from kvferry.adapters.session import OffloadSession, RunningRequest
 from kvferry.adapters.workers import report_all
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan
-from kvferry.core.config import GroupKind, OffloadConfig
+from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import KvferryError, TransferFailedError
 from kvferry.core.keys import KeyStatus, OffloadKey
 from kvferry.core.lookup import lookup
@@ -136,6 +136,8 @@ class _Request:
     hashes: list[bytes] = attrs.field(factory=list)
     """Block hashes of the `num_tokens` tokens."""
     admitted_once: bool = False
+    counted: list[int] = attrs.field(factory=list)
+    """Per group, the chunks whose store worth was counted (`EngineTally.windowed_*`)."""
 
 
 @attrs.define
@@ -157,6 +159,12 @@ class EngineTally:
     load_seconds: float = 0.0
     windowed_bytes_loaded: int = 0
     windowed_bytes_all_blocks: int = 0
+    windowed_chunks_complete: int = 0
+    """Chunks of windowed groups completed with real blocks (what a store could copy)."""
+    windowed_chunks_not_stored: int = 0
+    """Those of them in no window a lookup can load, which kvferry does not store."""
+    windowed_bytes_complete: int = 0
+    windowed_bytes_not_stored: int = 0
     finished: int = 0
 
 
@@ -215,6 +223,7 @@ class DemoEngine:
             self._waiting.append(self._new(turn))
         while self._waiting or self._running:
             self._step()
+        self._store([])  # the last stores of the requests that finished last
         self._drain()
         return self.tally
 
@@ -229,6 +238,7 @@ class DemoEngine:
         self._collect(self._ranks.poll())
         self._admit()
         if not self._running:
+            self._store([])  # the last stores of requests that finished, if any
             if not self._jobs:
                 head = self._waiting[0].turn.request_id if self._waiting else "none"
                 raise EngineStalledError(
@@ -289,13 +299,10 @@ class DemoEngine:
         return found.tokens
 
     def _needed(self, group: int, position: int, boundary: int) -> bool:
-        """Return whether `group` needs the block at `position` to resume at `boundary`."""
-        spec = self._config.groups[group]
-        if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-            return position >= max(boundary - spec.sliding_window, 0) // self._block
-        if spec.kind is GroupKind.MAMBA:
-            return position == -(-boundary // self._block) - 1
-        return True
+        """Return whether `group` needs the block at `position` to resume at `boundary`: the
+        blocks from the one holding its first needed token (`KIND_RULES`) on."""
+        first = self._config.groups[group].first_needed_token(boundary)
+        return position >= first // self._block
 
     def _try_admit(self, request: _Request) -> bool | None:
         """Admit `request` if it fits: True; no room: False; the tier says retry: None."""
@@ -323,7 +330,7 @@ class DemoEngine:
                 for i, hit_block in wanted
                 if not hit_block or pool.is_free(self._cached(g, request, i))
             )
-            full = self._config.groups[g].kind is GroupKind.FULL_ATTENTION
+            full = not self._config.groups[g].rule.windowed
             # full attention keeps every block: room for the whole prompt; the others: its
             # first chunk (the window or state moves along)
             stop = request.num_tokens if full else boundary + self._profile.step_tokens
@@ -360,7 +367,7 @@ class DemoEngine:
         request.computed = boundary
         self._register(request)
         for g, pool in enumerate(self._pools):  # the blocks its first step(s) will fill
-            full = self._config.groups[g].kind is GroupKind.FULL_ATTENTION
+            full = not self._config.groups[g].rule.windowed
             stop = request.num_tokens if full else boundary + self._profile.step_tokens
             table = request.tables[g]
             while len(table) < -(-min(stop, request.num_tokens) // self._block):
@@ -392,7 +399,7 @@ class DemoEngine:
         self.tally.chunks_loaded += len(plan.keys)
         first = gpu // self._block
         for g, spec in enumerate(self._config.groups):
-            if spec.kind is GroupKind.FULL_ATTENTION:
+            if not spec.rule.windowed:
                 continue
             every = -(-boundary // self._block) - first
             self.tally.windowed_bytes_loaded += plan.group_sizes[g] * self._page_bytes[g]
@@ -444,6 +451,7 @@ class DemoEngine:
         self._free_tables(request, gate)
         self._running.remove(request)
         request.computed = 0
+        request.counted = []
         self._waiting.appendleft(request)
         self.tally.preemptions += 1
 
@@ -451,7 +459,7 @@ class DemoEngine:
         start, stop = request.computed, request.computed + count
         for g, spec in enumerate(self._config.groups):
             table = np.asarray(request.tables[g], dtype=np.uint64)
-            if spec.kind is GroupKind.MAMBA:
+            if spec.rule.recurrent_state:
                 batch.add_states(
                     g, table, request.ids, start=start, stop=stop, block_size=self._block
                 )
@@ -474,10 +482,36 @@ class DemoEngine:
             )
             for request in self._running
         )
+        for request in self._running:
+            self._count_windowed_chunks(request, request.computed + counts.get(id(request), 0))
         for job in step.jobs:
             self._jobs[job.job_id] = job
             self.tally.store_jobs += 1
         self._ranks.submit(step.jobs)
+        if step.released:  # last stores given up: their requests' blocks are free now
+            self._release_deferred()
+
+    def _count_windowed_chunks(self, request: _Request, done: int) -> None:
+        """Count the windowed groups' chunks that `done` computed tokens complete, and those of
+        them kvferry passes over as no lookup can load them."""
+        if not self._config.store_decoded_tokens:
+            done = min(done, request.turn.prompt_tokens)
+        f = self._config.blocks_per_chunk
+        if not request.counted:
+            request.counted = [0] * len(self._pools)
+        for g, spec in enumerate(self._config.groups):
+            end = min(done, request.num_tokens) // self._config.chunk_tokens(g)
+            if spec.rule.windowed:
+                table = request.tables[g]
+                for j in range(request.counted[g], min(end, len(table) // f)):
+                    if NULL in table[j * f : (j + 1) * f]:
+                        continue
+                    self.tally.windowed_chunks_complete += 1
+                    self.tally.windowed_bytes_complete += f * self._page_bytes[g]
+                    if not self._config.keeps_chunk(g, j):
+                        self.tally.windowed_chunks_not_stored += 1
+                        self.tally.windowed_bytes_not_stored += f * self._page_bytes[g]
+            request.counted[g] = max(request.counted[g], end)
 
     def _advance(self, request: _Request, count: int) -> None:
         """After the forward pass: sample, cache complete blocks, drop blocks the groups no
@@ -495,12 +529,10 @@ class DemoEngine:
         self._register(request)
         jobs = self._session.jobs_of(request.turn.request_id)
         for g, spec in enumerate(self._config.groups):
-            if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-                below = max(request.computed - spec.sliding_window, 0) // self._block
-            elif spec.kind is GroupKind.MAMBA:
-                below = -(-request.computed // self._block) - 1
-            else:
+            if not spec.rule.windowed:
                 continue
+            # What an engine frees: the blocks wholly below the first token still needed.
+            below = spec.first_needed_token(request.computed) // self._block
             table = request.tables[g]
             dropped = [table[i] for i in range(min(below, len(table))) if table[i] != NULL]
             if dropped:
@@ -522,7 +554,15 @@ class DemoEngine:
     def _finish(self, request: _Request) -> None:
         self._running.remove(request)
         self._register(request)
-        gate = self._session.finish(request.turn.request_id)
+        last = RunningRequest(  # offer once more what is not stored yet
+            request_id=request.turn.request_id,
+            blocks=[_group_blocks(table) for table in request.tables],
+            num_computed_tokens=request.computed,
+            num_scheduled_tokens=0,
+            num_tokens=request.num_tokens,
+            block_hashes=request.hashes,
+        )
+        gate = self._session.finish(request.turn.request_id, last=last)
         self._free_tables(request, gate)
         self.tally.finished += 1
         following = self._workload.next_turn(request.turn)
@@ -566,6 +606,10 @@ class DemoEngine:
                     self.tally.load_seconds += result.seconds
         for job_id in report_all(self._session, completions).completed:
             del self._jobs[job_id]
+        self._release_deferred()
+
+    def _release_deferred(self) -> None:
+        """Free the deferred blocks whose gating jobs are all complete."""
         live = self._session.in_flight()
         still = []
         for gate, group, blocks in self._deferred:

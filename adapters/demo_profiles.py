@@ -12,6 +12,7 @@ import attrs
 
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError, member_named
+from kvferry.core.kinds import KIND_RULES
 
 BF16 = 2
 """Bytes per bf16 element."""
@@ -30,6 +31,8 @@ class ProfileName(enum.Enum):
     """gpt-oss-20b-like: full attention and 128-token sliding window, alternating layers."""
     JAMBA = "jamba"
     """Jamba-1.5-Mini-like: full attention and Mamba, Mamba pages padded to the attention page."""
+    LLAMA4 = "llama4"
+    """Llama-4-Scout-like: full attention and chunked local attention, one layer in four full."""
 
     @classmethod
     def from_name(cls, name: str) -> ProfileName:
@@ -66,6 +69,8 @@ class GroupProfile:
     """Layers of this kind in the real model."""
     sliding_window: int | None = None
     """Window in tokens (sliding-window groups only)."""
+    attention_chunk_size: int | None = None
+    """Attention chunk in tokens (chunked-local-attention groups only)."""
     kv_heads: int = 0
     """KV heads per attention layer."""
     head_dim: int = 0
@@ -75,8 +80,9 @@ class GroupProfile:
 
     @property
     def is_attention(self) -> bool:
-        """Return True for full-attention and sliding-window groups."""
-        return self.kind is not GroupKind.MAMBA
+        """Return True for attention groups (a page holds its tokens' K and V), False for a
+        recurrent-state group (a page holds one state)."""
+        return not KIND_RULES[self.kind].recurrent_state
 
     def token_bytes(self) -> int:
         """Return the bytes one token takes in one K (or V) page of an attention layer."""
@@ -126,6 +132,7 @@ class ModelProfile:
                     kind=group.kind,
                     block_size=self.block_size,
                     sliding_window=group.sliding_window,
+                    attention_chunk_size=group.attention_chunk_size,
                 )
                 for group in self.groups
             ),
@@ -259,6 +266,35 @@ PROFILES: dict[ProfileName, ModelProfile] = {
         system_prompt_tokens=(600, 1400),
         user_tokens=(100, 500),
         answer_tokens=(16, 48),
+        step_tokens=2048,
+    ),
+    ProfileName.LLAMA4: ModelProfile(
+        name=ProfileName.LLAMA4,
+        title=(
+            "Llama-4-Scout-like (8 KV heads x 128, bf16; local attention chunks of 8192 tokens, "
+            "scaled to 256, on 3 of 4 layers)"
+        ),
+        hash_block_size=16,
+        block_size=16,
+        groups=(
+            GroupProfile(
+                kind=GroupKind.FULL_ATTENTION, layers=1, real_layers=12, kv_heads=8, head_dim=128
+            ),
+            GroupProfile(
+                kind=GroupKind.CHUNKED_LOCAL_ATTENTION,
+                layers=3,
+                real_layers=36,
+                attention_chunk_size=256,
+                kv_heads=8,
+                head_dim=128,
+            ),
+        ),
+        blocks_per_chunk=4,
+        gpu_blocks=320,
+        cpu_tier_bytes=192 << 20,
+        system_prompt_tokens=(400, 900),
+        user_tokens=(40, 300),
+        answer_tokens=(16, 64),
         step_tokens=2048,
     ),
 }

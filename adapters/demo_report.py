@@ -80,6 +80,14 @@ class DemoReport:
     windowed_bytes_all_blocks: int
     """Bytes those groups would have loaded with every block of the hit instead of the window
     (or state) only."""
+    windowed_chunks_complete: int
+    """Chunks of sliding-window, Mamba and chunked-local groups completed with real blocks."""
+    windowed_chunks_not_stored: int
+    """Those of them in no window a lookup can load: passed over, never stored."""
+    windowed_bytes_complete: int
+    """Bytes of those complete chunks."""
+    windowed_bytes_not_stored: int
+    """Bytes of the chunks passed over: copies and CPU-tier rows saved."""
     pages_verified: int
     """Loaded pages checked byte for byte (all equal, or the run would have failed)."""
     wall_seconds: float
@@ -158,6 +166,16 @@ class DemoReport:
                     f"{_size(self.windowed_bytes_loaded)} (window/state only); every block: "
                     f"{_size(self.windowed_bytes_all_blocks)}; saved {_size(saved)} "
                     f"({100 * saved / self.windowed_bytes_all_blocks:.1f} %)",
+                )
+            )
+        if self.windowed_chunks_complete:
+            rows.append(
+                (
+                    "windowed chunks not stored",
+                    f"{self.windowed_chunks_not_stored:,} of {self.windowed_chunks_complete:,} "
+                    f"complete: saved {_size(self.windowed_bytes_not_stored)} "
+                    f"({100 * self.windowed_bytes_not_stored / self.windowed_bytes_complete:.1f} "
+                    "%; in no window a lookup can load)",
                 )
             )
         rows += [

@@ -20,8 +20,8 @@ from kvferry.core.keys import OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
-from kvferry.core.state import RequestState, extend_keys, new_request_state
-from kvferry.core.store import StoreOutcome, due_for_store, plan_store
+from kvferry.core.state import RequestState, check_hash_count, extend_keys, new_request_state
+from kvferry.core.store import StoreDecision, StoreOutcome, due_for_store, plan_store
 
 
 def _blocks_tuple(value: Iterable[GroupBlocks]) -> tuple[GroupBlocks, ...]:
@@ -57,6 +57,9 @@ class StoreStep:
     """Store jobs to submit to every worker, after this step's forward pass is enqueued."""
     no_room: tuple[str, ...]
     """Requests whose new chunks found no room in the tier; they are tried again next step."""
+    released: tuple[str, ...] = ()
+    """Finished requests whose last store (see `OffloadSession.finish`) found no room again, or
+    nothing left to store: no job will report them, and their GPU blocks may be reused now."""
 
 
 @attrs.frozen(kw_only=True)
@@ -158,6 +161,11 @@ class OffloadSession:
         self._jobs: dict[int, _Job] = {}
         self._next_job = 1
         self._first_live_job = 1
+        self._last_stores: list[BoundPlan] = []
+        """Stores planned by `finish`, handed out by the next `start_stores`."""
+        self._last_retries: dict[int, RunningRequest] = {}
+        """Last stores `finish` found no room for, by the job id reserved for them: offered
+        once more by the next `start_stores`."""
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -220,6 +228,7 @@ class OffloadSession:
         """
         known = self._requests.get(request_id)
         before = None if known is None else (known.state, known.num_hashes)
+        check_hash_count(self._config, request_id, len(block_hashes), num_tokens)
         request = self._known(
             request_id,
             block_hashes,
@@ -324,11 +333,27 @@ class OffloadSession:
             for rid in created:
                 self._requests.pop(rid, None)
             raise
-        return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room))
+        jobs += self._last_stores
+        self._last_stores = []
+        released: list[str] = []
+        for job_id, last in sorted(self._last_retries.items()):
+            held = self._jobs[job_id]
+            request = self._requests[held.request_id]
+            decision = self._decide_store(last, request)
+            if decision.plan is None:  # still no room, or nothing left: give up the last store
+                self._complete(held, released)
+            else:
+                jobs.append(self._bind_store(request, decision, held))
+                request.state = decision.state
+        self._last_retries.clear()
+        return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room), released=tuple(released))
 
     def _known_running(self, running: RunningRequest) -> _Request:
         """Return the session's record of a running request, created or with its keys
         extended to the request's hashes."""
+        check_hash_count(
+            self._config, running.request_id, len(running.block_hashes), running.num_tokens
+        )
         return self._known(
             running.request_id,
             running.block_hashes,
@@ -350,8 +375,16 @@ class OffloadSession:
     ) -> None:
         """Plan and bind the store of one running request that is due (appending to
         `jobs`/`no_room`)."""
-        rid = running.request_id
-        decision = plan_store(
+        decision = self._decide_store(running, request)
+        if decision.outcome is StoreOutcome.NO_ROOM:
+            no_room.append(running.request_id)
+        elif decision.plan is not None:
+            jobs.append(self._bind_store(request, decision))
+        request.state = decision.state
+
+    def _decide_store(self, running: RunningRequest, request: _Request) -> StoreDecision:
+        """Return the planner's store decision for one step of `running`."""
+        return plan_store(
             self._config,
             request.state,
             running.blocks,
@@ -360,30 +393,42 @@ class OffloadSession:
             num_tokens=running.num_tokens,
             tier=self._catalog,
         )
-        if decision.outcome is StoreOutcome.NO_ROOM:
-            no_room.append(rid)
-        elif decision.plan is not None:
-            asked = decision.reserve_keys
-            reservation = self._catalog.reserve(
-                asked, positions=self._positions(request.state, asked), request=rid
+
+    def _bind_store(
+        self, request: _Request, decision: StoreDecision, job: _Job | None = None
+    ) -> BoundPlan:
+        """Return the store job of a decision with a plan: its rows reserved, its keys writing,
+        under a new job id or the one `job` holds for it."""
+        plan = decision.plan
+        if plan is None:
+            raise PlanInvariantError(
+                request=decision.state.request_id,
+                field="plan",
+                expected="a store decision with a plan",
+                got=decision.outcome,
             )
-            if reservation is None or reservation.keys != decision.plan.keys:
-                raise PlanInvariantError(
-                    request=rid,
-                    field="keys",
-                    expected="a reservation of exactly the store plan's keys",
-                    got=None if reservation is None else reservation.keys,
-                )
+        rid = plan.request_id
+        asked = decision.reserve_keys
+        reservation = self._catalog.reserve(
+            asked, positions=self._positions(request.state, asked), request=rid
+        )
+        if reservation is None or reservation.keys != plan.keys:
+            raise PlanInvariantError(
+                request=rid,
+                field="keys",
+                expected="a reservation of exactly the store plan's keys",
+                got=None if reservation is None else reservation.keys,
+            )
+        if job is None:
             job = self._new_job(rid, request, Direction.STORE, reservation.keys)
-            jobs.append(
-                BoundPlan(
-                    job_id=job.job_id,
-                    plan=decision.plan,
-                    cpu_rows=reservation.rows,
-                    layout_fingerprint=self._fingerprint,
-                )
-            )
-        request.state = decision.state
+        else:
+            job.keys = reservation.keys
+        return BoundPlan(
+            job_id=job.job_id,
+            plan=plan,
+            cpu_rows=reservation.rows,
+            layout_fingerprint=self._fingerprint,
+        )
 
     def report(self, worker: int, results: Iterable[JobResult]) -> CompletionReport:
         """Record `worker`'s results; return what completed (every worker reported) and what
@@ -442,21 +487,58 @@ class OffloadSession:
             released=tuple(released),
         )
 
-    def finish(self, request_id: str) -> frozenset[int]:
+    def finish(self, request_id: str, *, last: RunningRequest | None = None) -> frozenset[int]:
         """Return the jobs that must complete before the finished (or aborted) request's GPU
         blocks may be reused: its stores read them, its loads write them. Empty: reuse now.
 
-        The request is forgotten once those jobs complete (`report` then lists it as released);
-        a failed load of a finished request asks for no recompute. Unknown ids answer empty.
+        With `last` (the request's final block table, `num_computed_tokens` = the tokens whose
+        KV exists, `num_scheduled_tokens` = 0, its `num_tokens` and hashes), the request's
+        chunks not stored yet — completed by its last step, or refused earlier for lack of
+        room — are offered once more: planned now, or, when the tier has no room now, once more
+        by the next `start_stores` (which drops them if there is still none). Either way the
+        store's job id is among those returned; the job itself comes with the next
+        `start_stores`, or that call lists the request in `StoreStep.released` when nothing
+        was stored. The request is forgotten once those jobs complete (`report` then lists it
+        as released); a failed load of a finished request asks for no recompute. Unknown ids
+        answer empty. Raise InvalidInputError, changing nothing, for a `last` of another
+        request or one the planner refuses.
         """
         request = self._requests.get(request_id)
         if request is None:
             return frozenset()
+        if last is not None and not request.finished:
+            self._last_store(request_id, request, last)
         request.finished = True
         waiting = self._fence(request)
         if not request.jobs:
             del self._requests[request_id]
         return waiting
+
+    def _last_store(self, request_id: str, request: _Request, last: RunningRequest) -> None:
+        """Plan the store of a finishing request's chunks not stored yet (see `finish`)."""
+        if not isinstance(last, RunningRequest) or last.request_id != request_id:
+            raise InvalidInputError(
+                request=request_id,
+                field="last",
+                expected=f"a RunningRequest of request {request_id!r}",
+                got=last,
+            )
+        check_hash_count(self._config, request_id, len(last.block_hashes), last.num_tokens)
+        before = (request.state, request.num_hashes)
+        if len(last.block_hashes) != request.num_hashes:
+            request.state = extend_keys(self._config, request.state, last.block_hashes)
+            request.num_hashes = len(last.block_hashes)
+        try:
+            decision = self._decide_store(last, request)
+        except KvferryError:
+            request.state, request.num_hashes = before
+            raise
+        if decision.outcome is StoreOutcome.NO_ROOM:
+            job = self._new_job(request_id, request, Direction.STORE, ())
+            self._last_retries[job.job_id] = last
+        elif decision.plan is not None:
+            self._last_stores.append(self._bind_store(request, decision))
+        request.state = decision.state
 
     def preempt(self, request_id: str) -> frozenset[int]:
         """Return the jobs that must complete before the preempted request's GPU blocks may be
@@ -480,6 +562,8 @@ class OffloadSession:
         self._catalog.reset()
         self._jobs.clear()
         self._requests.clear()
+        self._last_stores.clear()
+        self._last_retries.clear()
         self._first_live_job = self._next_job
         return abandoned
 
@@ -567,7 +651,8 @@ class OffloadSession:
         del self._jobs[job.job_id]
         success = not job.failed
         if job.direction is Direction.STORE:
-            self._catalog.complete_store(job.keys, success=success)
+            if job.keys:  # a last store given up before it was planned has none
+                self._catalog.complete_store(job.keys, success=success)
         else:
             self._catalog.unpin(job.keys)
             if not success:  # the rows may hold bad bytes: never hand them out again

@@ -23,6 +23,7 @@ from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import CatalogEvent
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
+from kvferry.core.kinds import KIND_RULES, PARAMETER_DEFAULTS
 from kvferry.core.plan import Direction
 from kvferry.executors.base import Executor
 
@@ -80,6 +81,7 @@ SPEC_KINDS: dict[str, GroupKind] = {
     "SlidingWindowSpec": GroupKind.SLIDING_WINDOW,
     "SlidingWindowMLASpec": GroupKind.SLIDING_WINDOW,
     "MambaSpec": GroupKind.MAMBA,
+    "ChunkedLocalAttentionSpec": GroupKind.CHUNKED_LOCAL_ATTENTION,
 }
 """vLLM spec class names and the group kind each means; drives `group_kind_of`, its tests and
 docs/embedding.md. A spec is recognised by the first of its classes (its MRO) named here, so
@@ -92,7 +94,7 @@ def group_kind_of(spec: object, *, group: int | None = None) -> GroupKind:
     """Return the GroupKind a vLLM `kv_cache_spec` stands for, by its class name (SPEC_KINDS).
 
     Raises InvalidInputError naming the group and the class for a spec of another kind
-    (e.g. `ChunkedLocalAttentionSpec`, `CrossAttentionSpec`): kvferry has no rule for it.
+    (e.g. `CrossAttentionSpec`): kvferry has no rule for it.
     """
     for cls in type(spec).__mro__:
         kind = SPEC_KINDS.get(cls.__name__)
@@ -107,15 +109,30 @@ def group_kind_of(spec: object, *, group: int | None = None) -> GroupKind:
 
 
 def group_spec_from_vllm(spec: object, *, group: int | None = None) -> GroupSpec:
-    """Return the GroupSpec of one vLLM `kv_cache_spec` (kind, `block_size`, `sliding_window`)."""
+    """Return the GroupSpec of one vLLM `kv_cache_spec`: its kind, `block_size`, and the
+    parameters the kind uses (`KIND_RULES[kind]`, read from vLLM's attributes of the same
+    names: `sliding_window` and `extra_retained_tokens` of a sliding window,
+    `attention_chunk_size` of chunked local attention)."""
     kind = group_kind_of(spec, group=group)
-    window = getattr(spec, "sliding_window", None) if kind is GroupKind.SLIDING_WINDOW else None
     block_size = getattr(spec, "block_size", None)
     if block_size is None:
         raise InvalidInputError(
             group=group, field="kv_cache_spec.block_size", expected="a block size", got=spec
         )
-    return GroupSpec(kind=kind, block_size=block_size, sliding_window=window)
+    rule = KIND_RULES[kind]
+    parameters: dict[str, Any] = {
+        name: getattr(spec, name, PARAMETER_DEFAULTS[name])
+        for name in rule.parameters + rule.optional_parameters
+    }
+    try:
+        return GroupSpec(kind=kind, block_size=block_size, **parameters)
+    except InvalidInputError as error:
+        raise InvalidInputError(
+            group=group,
+            field=f"kv_cache_spec.{error.field}",
+            expected=error.expected,
+            got=error.got,
+        ) from error
 
 
 def offload_config_from_vllm(
@@ -181,13 +198,10 @@ NULL_BLOCK_ID = 0
 
 def engine_skipped_tokens(spec: GroupSpec, num_computed_tokens: int) -> int:
     """Return how many leading tokens' blocks vLLM has replaced by its null block once
-    `num_computed_tokens` are computed: none for full attention, `n - window + 1` for a sliding
-    window, `n - 1` for Mamba (vLLM's `get_num_skipped_tokens`)."""
-    if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-        return max(num_computed_tokens - spec.sliding_window + 1, 0)
-    if spec.kind is GroupKind.MAMBA:
-        return max(num_computed_tokens - 1, 0)
-    return 0
+    `num_computed_tokens` are computed (vLLM's `get_num_skipped_tokens`): the tokens below the
+    first one the group needs to go on (`GroupSpec.first_needed_token`): none for full
+    attention, `n - window + 1` for a sliding window, `n - 1` for Mamba."""
+    return spec.first_needed_token(num_computed_tokens)
 
 
 def group_blocks_from_ids(
@@ -278,6 +292,7 @@ class KvferryConnectorScheduler:
         self._ready_now: set[str] = set()
         self._refused: list[RecomputeRange] = []
         self._held: set[str] = set()
+        self._released: set[str] = set()
 
     @property
     def session(self) -> OffloadSession:
@@ -296,21 +311,9 @@ class KvferryConnectorScheduler:
         later steps read its growing `block_hashes` and `num_tokens`.
         """
         rid = request.request_id
-        hashes = request.block_hashes
-        full_blocks = request.num_tokens // self._session.config.hash_block_size
-        if len(hashes) > full_blocks:
-            raise InvalidInputError(
-                request=rid,
-                field="block_hashes",
-                expected=(
-                    f"at most {full_blocks} hashes for {request.num_tokens} tokens "
-                    f"(hash_block_size={self._session.config.hash_block_size}: is it the engine's?)"
-                ),
-                got=len(hashes),
-            )
-        result = self._session.lookup(
+        result = self._session.lookup(  # refuses a hash count other than the tokens need
             rid,
-            block_hashes=hashes,
+            block_hashes=request.block_hashes,
             num_tokens=request.num_tokens,
             num_computed_tokens=num_computed_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -405,6 +408,7 @@ class KvferryConnectorScheduler:
                 )
             )
         step = self._session.start_stores(running)
+        self._released.update(step.released)
         jobs, self._loads = [*self._loads, *step.jobs], []
         return ConnectorMetadata(jobs=encode_jobs(jobs), flush=tuple(sorted(flush)))
 
@@ -427,7 +431,8 @@ class KvferryConnectorScheduler:
             failed.extend(report.failed)
             recompute.extend(report.recompute)
             released.extend(report.released)
-        sending = self._held.intersection(released)
+        sending = self._held.intersection(released) | self._held.intersection(self._released)
+        self._released.clear()
         self._held -= sending
         return ConnectorOutput(
             finished_recving=frozenset(recving),
@@ -443,11 +448,35 @@ class KvferryConnectorScheduler:
         blocks, loads write them) and whether vLLM must hold its blocks until
         `update_connector_output` lists it in `finished_sending`.
 
+        The request's chunks not stored yet (completed by its last step, or refused earlier
+        for lack of room) are offered once more from the table kept for it, covering the
+        tokens whose KV exists (`num_computed_tokens`, at most `num_tokens - 1`: the last
+        sampled token has none); that store is shipped by the next `build_connector_meta`.
         vLLM's second element is `kv_transfer_params`; kvferry has none and names the jobs.
         `block_ids` is accepted for vLLM's signature and not read.
         """
         rid = request.request_id
-        jobs = self._session.finish(rid)
+        kept = self._tables.get(rid)
+        last = None
+        if kept is not None:
+            computed = max(
+                0,
+                min(
+                    int(getattr(request, "num_computed_tokens", request.num_tokens - 1)),
+                    request.num_tokens - 1,
+                ),
+            )
+            last = RunningRequest(
+                request_id=rid,
+                blocks=group_blocks_from_ids(
+                    self._session.config, kept, num_computed_tokens=computed
+                ),
+                num_computed_tokens=computed,
+                num_scheduled_tokens=0,
+                num_tokens=request.num_tokens,
+                block_hashes=request.block_hashes,
+            )
+        jobs = self._session.finish(rid, last=last)
         for table in (self._requests, self._computed, self._tables):
             table.pop(rid, None)
         self._ready_now.discard(rid)

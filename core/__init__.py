@@ -33,6 +33,7 @@ from kvferry.core.errors import (
 from kvferry.core.eviction import EvictionPolicy, EvictionPolicyKind, make_policy
 from kvferry.core.expand import CopyList, PageCopies, copy_list, expand_pages
 from kvferry.core.keys import KeyChain, KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.kinds import KIND_RULES, KindRule
 from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, describe_tensor
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
@@ -49,6 +50,7 @@ from kvferry.core.store import (
 )
 
 __all__ = [
+    "KIND_RULES",
     "SCHEMA_VERSION",
     "BoundPlan",
     "Catalog",
@@ -74,6 +76,7 @@ __all__ = [
     "KeyState",
     "KeyStatus",
     "KeyStatusView",
+    "KindRule",
     "KvferryError",
     "LookupResult",
     "OffloadConfig",

@@ -14,6 +14,7 @@ from kvferry.core.canonical_json import dumps_canonical
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import OffloadKey
+from kvferry.core.kinds import PARAMETER_DEFAULTS
 from kvferry.core.plan import Direction, TransferPlan
 
 SCHEMA_VERSION = 1
@@ -114,8 +115,9 @@ def config_to_dict(config: OffloadConfig) -> dict[str, Any]:
     groups = []
     for spec in config.groups:
         group: dict[str, Any] = {"kind": spec.kind.value, "block_size": spec.block_size}
-        if spec.sliding_window is not None:
-            group["sliding_window"] = spec.sliding_window
+        for name, default in PARAMETER_DEFAULTS.items():
+            if getattr(spec, name) != default:
+                group[name] = getattr(spec, name)
         groups.append(group)
     return {
         "hash_block_size": config.hash_block_size,
@@ -138,12 +140,11 @@ def config_from_dict(document: Mapping[str, Any]) -> OffloadConfig:
                 expected="one of " + ", ".join(k.value for k in GroupKind),
                 got=group.get("kind") if isinstance(group, dict) else group,
             ) from exc
+        parameters = {
+            name: group.get(name, default) for name, default in PARAMETER_DEFAULTS.items()
+        }
         groups.append(
-            GroupSpec(
-                kind=kind,
-                block_size=_require(group, "block_size", int),
-                sliding_window=group.get("sliding_window"),
-            )
+            GroupSpec(kind=kind, block_size=_require(group, "block_size", int), **parameters)
         )
     return OffloadConfig(
         hash_block_size=_require(document, "hash_block_size", int),

@@ -5,23 +5,14 @@ Values only: no I/O, no defaults read from the environment (adapters do that).
 
 from __future__ import annotations
 
-import enum
-
 import attrs
 
 from kvferry.core.checks import at_least
 from kvferry.core.errors import InvalidInputError
+from kvferry.core.kinds import KIND_RULES, PARAMETER_DEFAULTS, GroupKind, KindRule
+from kvferry.core.reach import KeptChunks, kept_chunks
 
-
-class GroupKind(enum.Enum):
-    """What a KV-cache group must hold on the GPU to resume a request at token `t`."""
-
-    FULL_ATTENTION = "full_attention"
-    """Every earlier token (MLA included)."""
-    SLIDING_WINDOW = "sliding_window"
-    """Only the last `sliding_window` tokens."""
-    MAMBA = "mamba"
-    """Only the recurrent state after token `t - 1`."""
+__all__ = ["GroupKind", "GroupSpec", "OffloadConfig"]
 
 
 def _group_kind(instance: object, attribute: attrs.Attribute[GroupKind], value: object) -> None:
@@ -36,7 +27,8 @@ def _flag(instance: object, attribute: attrs.Attribute[bool], value: object) -> 
 
 @attrs.frozen(kw_only=True)
 class GroupSpec:
-    """One KV-cache group: its kind, its GPU block size and (for windows) its window."""
+    """One KV-cache group: its kind, its GPU block size and the parameters its kind needs
+    (`KIND_RULES[kind].parameters`)."""
 
     kind: GroupKind = attrs.field(validator=_group_kind)
     """How the group's layers use earlier tokens."""
@@ -44,22 +36,40 @@ class GroupSpec:
     """Tokens per GPU block of this group (`T_g`)."""
     sliding_window: int | None = None
     """Window in tokens; required for sliding-window groups, absent for the others."""
+    extra_retained_tokens: int = 0
+    """Tokens below a sliding window whose blocks the engine keeps too (vLLM's
+    `SlidingWindowSpec.extra_retained_tokens`, set with several speculative draft modules):
+    they are loaded with the window. 0 for every other kind."""
+    attention_chunk_size: int | None = None
+    """Tokens per attention chunk of a chunked-local-attention group (vLLM's
+    `ChunkedLocalAttentionSpec.attention_chunk_size`); absent for the others."""
 
     def __attrs_post_init__(self) -> None:
-        if self.kind is GroupKind.SLIDING_WINDOW:
-            window = self.sliding_window
-            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        rule = self.rule
+        for name, default in PARAMETER_DEFAULTS.items():
+            value = getattr(self, name)
+            if name in rule.parameters or name in rule.optional_parameters:
+                least = 1 if name in rule.parameters else 0
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise InvalidInputError(
+                        field=name,
+                        expected=f"an integer >= {least} for a {self.kind.value} group",
+                        got=value,
+                    )
+            elif value != default:
                 raise InvalidInputError(
-                    field="sliding_window",
-                    expected="an integer >= 1 for a sliding-window group",
-                    got=window,
+                    field=name, expected=f"{default} for a {self.kind.value} group", got=value
                 )
-        elif self.sliding_window is not None:
-            raise InvalidInputError(
-                field="sliding_window",
-                expected=f"None for a {self.kind.value} group",
-                got=self.sliding_window,
-            )
+
+    @property
+    def rule(self) -> KindRule:
+        """Return the rules of this group's kind."""
+        return KIND_RULES[self.kind]
+
+    def first_needed_token(self, t: int) -> int:
+        """Return the first token this group needs to compute token `t` (it needs every token
+        from there up to `t`; the engine nulls the blocks wholly below it)."""
+        return self.rule.first_needed_token(self, t)
 
 
 def _groups_tuple(value: object) -> tuple[GroupSpec, ...]:
@@ -83,6 +93,8 @@ class OffloadConfig:
 
     _chunk_tokens: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
     """`C_g` per group, computed once (hot paths read it every step)."""
+    _kept: tuple[KeptChunks, ...] = attrs.field(init=False, repr=False, eq=False)
+    """Per group, which chunks are worth storing (`kept_chunks`), computed once."""
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -101,6 +113,7 @@ class OffloadConfig:
                 )
         chunk_tokens = tuple(self.blocks_per_chunk * g.block_size for g in self.groups)
         object.__setattr__(self, "_chunk_tokens", chunk_tokens)
+        object.__setattr__(self, "_kept", kept_chunks(self.groups, chunk_tokens))
 
     @property
     def num_groups(self) -> int:
@@ -121,19 +134,26 @@ class OffloadConfig:
         return self._chunk_tokens[group] // self.hash_block_size
 
     def window_chunks(self, group: int) -> int:
-        """Return `W`, the chunks a windowed group needs at a boundary on its chunk grid.
-
-        `ceil(window / C_g)` for a sliding window, 1 for Mamba; 0 for full attention,
-        which has no window.
-        """
+        """Return `W`, the chunks a windowed group needs at most at a boundary on its chunk
+        grid: `ceil(window_tokens / C_g)` (`ceil((w - 1 + e) / C_g)` for a sliding window,
+        1 for Mamba, exactly that many away from the start); 0 for full attention, which has
+        no window."""
         spec = self.groups[group]
-        if spec.kind is GroupKind.MAMBA:
-            return 1
-        if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-            return -(-spec.sliding_window // self.chunk_tokens(group))
-        return 0
+        window_tokens = spec.rule.window_tokens
+        return 0 if window_tokens is None else -(-window_tokens(spec) // self.chunk_tokens(group))
+
+    def keeps_chunk(self, group: int, chunk: int) -> bool:
+        """Return True when chunk `chunk` of `group` is worth storing: every chunk of a
+        full-attention group; of a windowed group, one inside the window of some boundary a
+        lookup can answer (docs/semantics.md, "Which windowed chunks are stored")."""
+        kept = self._kept[group]
+        return kept is None or chunk % kept[0] in kept[1]
+
+    def keeps_every_chunk(self, group: int) -> bool:
+        """Return True when every chunk of `group` is worth storing (`keeps_chunk`)."""
+        return self._kept[group] is None
 
     @property
     def has_windowed_group(self) -> bool:
-        """Return True when any group is sliding-window or Mamba."""
-        return any(g.kind is not GroupKind.FULL_ATTENTION for g in self.groups)
+        """Return True when any group needs only some earlier tokens (not full attention)."""
+        return any(g.rule.windowed for g in self.groups)

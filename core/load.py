@@ -12,7 +12,7 @@ import numpy as np
 
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.checks import check_count, unchecked
-from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
+from kvferry.core.config import GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import OffloadKey
 from kvferry.core.plan import Direction, TransferPlan, check_distinct_destinations
@@ -54,13 +54,10 @@ class _GroupLoad:
 
 
 def _first_needed_block(spec: GroupSpec, block_size: int, cached_tokens: int, n_gpu: int) -> int:
-    """Return the first block a group needs to resume at `cached_tokens`: 0 for full attention,
-    the window's first block for a sliding window, the last block (the state) for Mamba."""
-    if spec.kind is GroupKind.SLIDING_WINDOW and spec.sliding_window is not None:
-        return max(cached_tokens - spec.sliding_window, 0) // block_size
-    if spec.kind is GroupKind.MAMBA:
-        return max(n_gpu - 1, 0)
-    return 0
+    """Return the first block a group needs to resume at `cached_tokens` (`n_gpu` when it
+    needs none): the block of its first needed token (`KIND_RULES`)."""
+    first = spec.first_needed_token(cached_tokens)
+    return n_gpu if first >= cached_tokens else first // block_size
 
 
 def _plan_group(
@@ -85,7 +82,7 @@ def _plan_group(
     if len(blocks) < n_gpu:
         raise fail("blocks", f"at least {n_gpu} blocks for {cached_tokens} tokens", len(blocks))
     lo = max(
-        _ceil_div(num_computed_tokens, block_size),
+        num_computed_tokens // block_size,  # the block the GPU prefix ends inside is filled whole
         _first_needed_block(config.groups[group], block_size, cached_tokens, n_gpu),
     )
     taken = blocks.is_null[lo:n_gpu] | blocks.is_cached[lo:n_gpu]
@@ -125,12 +122,14 @@ def plan_load(
     """Return the load plan for `hit_tokens` accepted past `num_computed_tokens`, and the
     request's next state (store cursors moved past what is loaded, unless `store_loaded`).
 
-    Per group (DESIGN §4.2): destinations are the blocks from the first one in
-    `[ceil(num_computed / T_g), ceil(cached / T_g))` that is neither null nor GPU-cached — and,
-    for a sliding window, inside the window `[cached - w, cached)`; for Mamba, the state block
-    alone — whether or not the engine nulled the blocks below; keys are chunks `first // F` to
-    `ceil(cached / C_g)`. A null or cached block after the first
-    destination is refused: the copy would overwrite a block that is not this request's own.
+    Per group: destinations are the blocks from the first one in
+    `[floor(num_computed / T_g), ceil(cached / T_g))` that is neither null nor GPU-cached (the
+    block a GPU prefix ends inside is filled whole: its computed part gets the same bytes) and
+    holds a token the group needs at `cached` (`KIND_RULES`: from `cached - w + 1` for a
+    sliding window of `w`, the state block alone for Mamba), whether or not the engine nulled
+    the blocks below; keys are chunks `first // F` to `ceil(cached / C_g)`. A null or cached
+    block after the first destination is refused: the copy would overwrite a block that is not
+    this request's own.
     """
     state.check_matches(config)
     check_block_lists(config, state, blocks)

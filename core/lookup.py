@@ -10,9 +10,10 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from kvferry.core.checks import check_count
-from kvferry.core.config import GroupKind, OffloadConfig
+from kvferry.core.config import GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.kinds import KindRule, Scan
 from kvferry.core.state import RequestState
 
 
@@ -97,22 +98,27 @@ class _Group:
     """The per-group facts a lookup needs, computed once."""
 
     index: int
-    kind: GroupKind
+    spec: GroupSpec
+    rule: KindRule
     chunk: int
-    window: int
+    window_tokens: int
+    """The most tokens before a boundary the group needs (`KindRule.window_tokens`); 0 for
+    full attention."""
     window_chunks: int
     start: int
     num_keys: int
 
     def needed_chunks(self, boundary: int) -> tuple[int, int]:
-        """Return the chunk range `[lo, hi)` this group must read to resume at `boundary`."""
-        if self.kind is GroupKind.FULL_ATTENTION:
-            return self.start, _ceil_div(boundary, self.chunk)
-        if self.kind is GroupKind.MAMBA:
-            end = boundary // self.chunk
-            return max(self.start, end - 1), end
-        first = max(0, boundary - self.window) // self.chunk
-        return max(self.start, first), _ceil_div(boundary, self.chunk)
+        """Return the chunk range `[lo, hi)` this group must read to resume at `boundary`
+        (snapped down to its chunk grid first when it resumes only there): the chunks holding
+        its needed tokens, less those wholly below the GPU prefix's chunk."""
+        if self.rule.boundary_on_grid:
+            boundary -= boundary % self.chunk
+        end = _ceil_div(boundary, self.chunk)
+        first_token = self.spec.first_needed_token(boundary)
+        if first_token >= boundary:
+            return end, end
+        return max(self.start, first_token // self.chunk), end
 
 
 def _scan_prefix(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
@@ -130,8 +136,10 @@ def _scan_window(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
     `k`, which need chunks `[k - W, k)`; chunks below `start` are on the GPU already.
     """
     top_lo, end = group.needed_chunks(boundary)
-    if group.kind is GroupKind.MAMBA:
-        boundary = end * group.chunk  # a Mamba state exists only at its own chunk ends
+    if group.rule.boundary_on_grid:
+        boundary = end * group.chunk  # e.g. a Mamba state exists only at its own chunk ends
+    if top_lo >= end:
+        return boundary  # the group needs no chunk from the tier here
     start, w = group.start, group.window_chunks
     fetched = end
     run_top = end
@@ -150,6 +158,20 @@ def _scan_window(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
     return start * group.chunk
 
 
+def _scan_attention_chunk(group: _Group, statuses: _GroupStatuses, boundary: int) -> int:
+    """Return the largest boundary `<= boundary` at which the group has every chunk holding
+    the boundary's attention chunk so far: up to the first chunk missing from that chunk's
+    start (a prefix scan from there), or else that start itself, which needs nothing."""
+    lo, end = group.needed_chunks(boundary)
+    if lo >= end:
+        return boundary
+    statuses.fetch(lo, end)
+    miss = statuses.first_miss(lo, end)
+    if miss == end:
+        return boundary
+    return max(group.spec.first_needed_token(boundary), miss * group.chunk)
+
+
 def lookup(
     config: OffloadConfig,
     state: RequestState,
@@ -160,10 +182,15 @@ def lookup(
 ) -> LookupResult:
     """Return how many tokens past `num_computed_tokens` can be loaded for every group.
 
-    Implements DESIGN §4.1: a prefix scan for full attention, a window scan for sliding
-    windows and Mamba, the minus-one-token rule when any windowed group exists, and the
-    shrink-until-stable loop over windowed groups. Pending keys are treated as hits while the
-    boundary is found; the answer is *retry* when the boundary found needs a pending key.
+    The answer is the largest boundary `b` at which every group can resume: each group needs
+    the chunks holding the tokens its kind needs to compute token `b` (`KIND_RULES`), from the
+    chunk the GPU prefix ends inside on; none passes the end of a group's last complete chunk.
+    The boundary starts at `num_tokens`, less one when a group needs only some earlier tokens
+    (the engine recomputes the last prompt token, so the hit must be valid exactly there).
+    Groups scanned as a prefix go first (their answer stays valid below it); the others are
+    examined again, widest first, until the boundary stops moving. A group examined where less
+    than one of its chunks remains to gain makes the answer 0. Pending keys count as hits while
+    the boundary is found; the answer is *retry* when that boundary needs a pending key.
     """
     state.check_matches(config)
     check_count(num_tokens, request=state.request_id, field="num_tokens")
@@ -175,27 +202,35 @@ def lookup(
             expected=f"an integer in [0, num_tokens={num_tokens}]",
             got=num_computed_tokens,
         )
-    groups = [
-        _Group(
-            index=g,
-            kind=spec.kind,
-            chunk=config.chunk_tokens(g),
-            window=spec.sliding_window or 0,
-            window_chunks=config.window_chunks(g),
-            start=num_computed_tokens // config.chunk_tokens(g),
-            num_keys=len(state.keys[g]),
+    groups = []
+    for g, spec in enumerate(config.groups):
+        rule = spec.rule
+        groups.append(
+            _Group(
+                index=g,
+                spec=spec,
+                rule=rule,
+                chunk=config.chunk_tokens(g),
+                window_tokens=0 if rule.window_tokens is None else rule.window_tokens(spec),
+                window_chunks=config.window_chunks(g),
+                start=num_computed_tokens // config.chunk_tokens(g),
+                num_keys=len(state.keys[g]),
+            )
         )
-        for g, spec in enumerate(config.groups)
-    ]
     statuses = [_GroupStatuses(tier, keys) for keys in state.keys]
-    full = [g for g in groups if g.kind is GroupKind.FULL_ATTENTION]
+    scans = {
+        Scan.PREFIX: _scan_prefix,
+        Scan.WINDOW: _scan_window,
+        Scan.ATTENTION_CHUNK: _scan_attention_chunk,
+    }
+    prefix = [g for g in groups if g.rule.scan is Scan.PREFIX]
     # Widest windows first: they are the likeliest to shrink the boundary for the others.
-    windowed = sorted(
-        (g for g in groups if g.kind is not GroupKind.FULL_ATTENTION),
-        key=lambda g: (-g.window, g.kind is GroupKind.MAMBA, g.index),
+    others = sorted(
+        (g for g in groups if g.rule.scan is not Scan.PREFIX),
+        key=lambda g: (-g.window_tokens, g.rule.boundary_on_grid, g.index),
     )
 
-    boundary = num_tokens - (1 if windowed else 0)
+    boundary = num_tokens - (1 if config.has_windowed_group else 0)
 
     def examine(group: _Group, scan: Callable[[_Group, _GroupStatuses, int], int]) -> int | None:
         clamped = min(boundary, group.num_keys * group.chunk)
@@ -206,17 +241,17 @@ def lookup(
             return None
         return found
 
-    for group in full:
+    for group in prefix:
         found = examine(group, _scan_prefix)
         if found is None:
             return NOTHING
         boundary = found
     valid_at: dict[int, int] = {}
-    while any(valid_at.get(g.index) != boundary for g in windowed):
-        for group in windowed:
+    while any(valid_at.get(g.index) != boundary for g in others):
+        for group in others:
             if valid_at.get(group.index) == boundary:
                 continue
-            found = examine(group, _scan_window)
+            found = examine(group, scans[group.rule.scan])
             if found is None:
                 return NOTHING
             boundary = found

@@ -88,6 +88,25 @@ def new_request_state(
     return extend_keys(config, empty, block_hashes)
 
 
+def check_hash_count(
+    config: OffloadConfig, request_id: str, num_hashes: int, num_tokens: int
+) -> None:
+    """Raise InvalidInputError unless `num_hashes` is one hash per full hash block of
+    `num_tokens` tokens: a different count means the engine hashes every other number of
+    tokens than `config.hash_block_size`, and keys would name chunks by the wrong prefix."""
+    expected = num_tokens // config.hash_block_size
+    if num_hashes != expected:
+        raise InvalidInputError(
+            request=request_id,
+            field="block_hashes",
+            expected=(
+                f"{expected} hashes for {num_tokens} tokens, one per "
+                f"hash_block_size={config.hash_block_size} tokens (is it the engine's?)"
+            ),
+            got=f"{num_hashes} hashes",
+        )
+
+
 def extend_keys(
     config: OffloadConfig, state: RequestState, block_hashes: Sequence[bytes]
 ) -> RequestState:

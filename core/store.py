@@ -81,8 +81,8 @@ def _stored_tokens(
     scheduled: Any,
     num_tokens: Any,
 ) -> Any:
-    """Return `done` (DESIGN §4.3): the one definition, for one request (integers, `min`) or
-    for many (arrays with one entry per request, `np.minimum`)."""
+    """Return `done`, the tokens a step may store: the one definition, for one request
+    (integers, `min`) or for many (arrays with one entry per request, `np.minimum`)."""
     limit = num_tokens if config.store_decoded_tokens else minimum(num_tokens, prompt)
     return minimum(computed + scheduled, limit)
 
@@ -276,13 +276,15 @@ def plan_store(
     num_tokens: int,
     tier: StoreTierView,
 ) -> StoreDecision:
-    """Return what to store this step for one running request (DESIGN §4.3).
+    """Return what to store this step for one running request.
 
     Tokens whose KV exists once this step's forward pass ends are
     `done = min(num_computed + num_scheduled, num_tokens)` (capped at the prompt when decoded
     tokens are not stored). Per group, the complete chunks from the store cursor to `done // C_g`
-    whose GPU blocks are all real are candidates; keys the tier has are skipped. If the rest do
-    not fit, the outcome is NO_ROOM and the cursors stay; otherwise they move to `done // C_g`.
+    whose GPU blocks are all real and that are worth storing (`OffloadConfig.keeps_chunk`: of a
+    windowed group, only chunks in the window of a boundary a lookup can answer) are
+    candidates; keys the tier has are skipped. If the rest do not fit, the outcome is NO_ROOM
+    and the cursors stay; otherwise they move to `done // C_g`.
     """
     state.check_matches(config)
     check_block_lists(config, state, blocks)
@@ -310,6 +312,8 @@ def plan_store(
             continue
         ends[g] = end
         chunks = _candidate_chunks(request, g, blocks[g], cursor, end, f=f)
+        if not config.keeps_every_chunk(g):  # only windows some lookup can load
+            chunks = [j for j in chunks if config.keeps_chunk(g, j)]
         if chunks:
             per_group.append((g, chunks))
             chain = chains[g]

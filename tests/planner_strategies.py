@@ -28,6 +28,7 @@ from kvferry.core import (
     lookup,
     new_request_state,
 )
+from kvferry.core.kinds import KIND_RULES
 
 HIT, MISS, PENDING = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.PENDING
 
@@ -125,8 +126,8 @@ class StoreCase:
 
     @property
     def done(self) -> int:
-        """Return the tokens whose KV exists after this step, capped at the request's
-        tokens (at its prompt when decoded tokens are not stored)."""
+        """Return the tokens whose KV exists after this step, capped at the request's tokens
+        (at its prompt when decoded tokens are not stored)."""
         limit = self.num_tokens
         if not self.config.store_decoded_tokens:
             limit = min(limit, self.state.num_prompt_tokens)
@@ -134,23 +135,39 @@ class StoreCase:
 
 
 _KINDS = tuple(GroupKind)
+PARAMETER_SPANS: dict[str, int] = {
+    "sliding_window": 3,
+    "extra_retained_tokens": 1,
+    "attention_chunk_size": 3,
+}
+"""Per kind parameter, how many chunks (plus a token or two) its drawn values span: from 1
+(0 for an optional one) up to that, on and off the chunk grid."""
+_CONFIG_BYTES = 2 + 3 * 4
 
 
 def _config(data: bytes) -> OffloadConfig:
-    """Build a configuration from 10 bytes (few draws, uniform kinds and group counts; zero
-    bytes shrink towards one full-attention group with the smallest blocks and window)."""
+    """Build a configuration from `_CONFIG_BYTES` bytes (few draws, uniform kinds and group
+    counts; zero bytes shrink towards one full-attention group with the smallest blocks and
+    parameters)."""
     hash_block_size = 1 + data[0] % 2
     blocks_per_chunk = 1 + data[0] // 2 % 4
     store_decoded_tokens = not data[0] // 8 % 2
     specs = []
     for g in range(1 + data[1] % 4):
-        shape, window_byte = data[2 + 2 * g], data[3 + 2 * g]
-        kind, multiple = _KINDS[shape % 3], 1 + shape // 3 % 4
+        shape, required, optional = data[2 + 3 * g : 5 + 3 * g]
+        kind, multiple = _KINDS[shape % len(_KINDS)], 1 + shape // len(_KINDS) % 4
         block_size = hash_block_size * multiple
-        window = None
-        if kind is GroupKind.SLIDING_WINDOW:  # 1 .. 3 chunks + 2 tokens, on and off the grid
-            window = 1 + window_byte * (3 * blocks_per_chunk * block_size + 1) // 255
-        specs.append(GroupSpec(kind=kind, block_size=block_size, sliding_window=window))
+        chunk = blocks_per_chunk * block_size
+        rule = KIND_RULES[kind]
+        parameters = {
+            name: 1 + required * (PARAMETER_SPANS[name] * chunk + 1) // 255
+            for name in rule.parameters
+        }
+        parameters |= {  # half the draws leave an optional parameter at 0
+            name: max(0, optional - 128) * (PARAMETER_SPANS[name] * chunk + 1) // 127
+            for name in rule.optional_parameters
+        }
+        specs.append(GroupSpec(kind=kind, block_size=block_size, **parameters))
     return OffloadConfig(
         hash_block_size=hash_block_size,
         blocks_per_chunk=blocks_per_chunk,
@@ -159,7 +176,7 @@ def _config(data: bytes) -> OffloadConfig:
     )
 
 
-_CONFIGS = st.binary(min_size=10, max_size=10).map(_config)
+_CONFIGS = st.binary(min_size=_CONFIG_BYTES, max_size=_CONFIG_BYTES).map(_config)
 
 
 def configs() -> st.SearchStrategy[OffloadConfig]:
@@ -241,20 +258,22 @@ def _tier(draw: st.DrawFn, state: RequestState, mix: Mix, free_rows: int | None)
 
 @st.composite
 def lookup_cases(
-    draw: st.DrawFn, *, mix: Mix | None = None, engine_aligned: bool = False
+    draw: st.DrawFn, *, mix: Mix | None = None, gainful: bool = False, aligned: bool = False
 ) -> LookupCase:
     """Return a request of random length, GPU prefix and tier contents (from `mix`, or
     from one of LOOKUP_MIXES).
 
-    `num_computed_tokens` is any value in `[0, num_tokens]`, unless `engine_aligned`: then it
-    is a multiple of every group's block size (what an engine's GPU prefix cache reports) and
-    leaves more than a chunk of every group to gain, so that a lookup can find something.
+    `num_computed_tokens` is any value in `[0, num_tokens]`, unless `gainful`: then it leaves
+    more than a chunk of every group to gain, so that a lookup can find something, and with
+    `aligned` it is also a multiple of every group's block size (what an engine's GPU prefix
+    cache reports); without `aligned` it may end inside a block (an engine that keeps a
+    request's partly filled blocks, or whose groups' block sizes differ).
     """
     config = draw(configs())
     largest = max(chunk_sizes(config))
-    if engine_aligned:
+    if gainful:
         num_tokens = _between(draw, largest + 1, 5 * largest, from_high=True)
-        unit = math.lcm(*(spec.block_size for spec in config.groups))
+        unit = math.lcm(*(spec.block_size for spec in config.groups)) if aligned else 1
         # Long GPU prefixes likelier: windows then reach below them (blocks the load skips).
         nc = unit * _between(draw, 0, (num_tokens - largest - 1) // unit, from_high=True)
     else:  # any prefix, short ones likelier (a long one leaves nothing to gain)
@@ -279,24 +298,14 @@ def _shuffled_ids(draw: st.DrawFn, count: int) -> list[int]:
 
 
 def null_blocks(
-    config: OffloadConfig, group: int, computed: int, window_slack: int, num_blocks: int
+    config: OffloadConfig, group: int, computed: int, free_lag: int, num_blocks: int
 ) -> int:
-    """Return how many leading blocks of `group` an engine makes null at `computed` tokens.
-
-    Sliding window: the blocks wholly below the window, `[computed - w, computed)`
-    (`window_slack` 0) or `[computed - w + 1, computed)` as vLLM counts it (slack 1).
-    Mamba: every block below the one holding the state after token `computed - 1`.
-    Full attention: none.
-    """
-    spec = config.groups[group]
-    if spec.kind is GroupKind.SLIDING_WINDOW:
-        assert spec.sliding_window is not None
-        count = max(0, computed - spec.sliding_window + window_slack) // spec.block_size
-    elif spec.kind is GroupKind.MAMBA:
-        count = max(0, computed - 1) // spec.block_size
-    else:
-        count = 0
-    return min(count, num_blocks)
+    """Return how many leading blocks of `group` an engine makes null at `computed` tokens:
+    those wholly below the first token the group still needs (`GroupSpec.first_needed_token`),
+    none for full attention; an engine that frees a token late (`free_lag` 1) keeps one more
+    token, so sometimes one more block."""
+    first = config.groups[group].first_needed_token(computed)
+    return min(max(0, first - free_lag) // config.groups[group].block_size, num_blocks)
 
 
 def engine_blocks(
@@ -305,26 +314,28 @@ def engine_blocks(
     num_computed_tokens: int,
     null_at: int,
     alloc_tokens: Sequence[int],
-    window_slack: int,
+    free_lag: int,
     own_window: bool,
     ids: Sequence[int],
 ) -> tuple[GroupBlocks, ...]:
     """Return per-group block tables as an engine builds them.
 
     Group `g` has `ceil(alloc_tokens[g] / T_g)` blocks: a null prefix (what the group no longer
-    needs at `null_at` computed tokens), then the blocks below `num_computed_tokens`, then fresh
-    blocks. Below the computed prefix, full-attention blocks are GPU prefix-cache hits; those of
-    a windowed group are too, unless `own_window`: then they are real blocks the request
-    computed itself (it was preempted and resumed, say), neither cached nor to be filled.
+    needs at `null_at` computed tokens), then the blocks wholly below `num_computed_tokens`,
+    then fresh blocks (a block the computed prefix ends inside is fresh too: the request's own,
+    partly computed). Below the computed prefix, full-attention blocks are GPU prefix-cache
+    hits; those of a windowed group are too, unless `own_window`: then they are real blocks the
+    request computed itself (it was preempted and resumed, say), neither cached nor to be
+    filled.
     Real blocks take distinct ids from `ids`; null blocks share id 0.
     """
     out = []
     pool = iter(ids)
     for g, spec in enumerate(config.groups):
         count = ceil_div(alloc_tokens[g], spec.block_size)
-        nulls = null_blocks(config, g, null_at, window_slack, count)
+        nulls = null_blocks(config, g, null_at, free_lag, count)
         cached_end = max(nulls, min(count, num_computed_tokens // spec.block_size))
-        if own_window and spec.kind is not GroupKind.FULL_ATTENTION:
+        if own_window and spec.rule.windowed:
             cached_end = nulls
         block_ids = [NULL_BLOCK_ID if i < nulls else next(pool) for i in range(count)]
         out.append(GroupBlocks.of(block_ids, null=range(nulls), cached=range(nulls, cached_end)))
@@ -335,11 +346,13 @@ def engine_blocks(
 def load_cases(draw: st.DrawFn) -> LoadCase:
     """Return a request after its lookup: the engine allocated blocks for the accepted hit.
 
-    Only lookups that found tokens make a case. The GPU prefix is engine-aligned; blocks are
-    allocated for the hit plus some of the tokens still to compute, with nulls below each
-    window at the new boundary (as an engine does when it counts loaded tokens as computed).
+    Only lookups that found tokens make a case. The GPU prefix is a multiple of every block
+    size in half the cases and ends anywhere in the others (then the block holding it is the
+    request's own, partly computed); blocks are allocated for the hit plus some of the tokens
+    still to compute, with nulls below each window at the new boundary (as an engine does when
+    it counts loaded tokens as computed).
     """
-    case = draw(lookup_cases(mix=LOAD_MIX, engine_aligned=True))
+    case = draw(lookup_cases(mix=LOAD_MIX, gainful=True, aligned=draw(st.booleans())))
     found = lookup(
         case.config,
         case.state,
@@ -360,7 +373,7 @@ def load_cases(draw: st.DrawFn) -> LoadCase:
         num_computed_tokens=case.num_computed_tokens,
         null_at=boundary,
         alloc_tokens=[alloc] * case.config.num_groups,
-        window_slack=draw(_BITS),
+        free_lag=draw(_BITS),
         own_window=draw(st.booleans()),
         ids=_shuffled_ids(draw, sum(ceil_div(alloc, t.block_size) for t in case.config.groups)),
     )
@@ -401,7 +414,7 @@ def store_cases(draw: st.DrawFn) -> StoreCase:
         num_computed_tokens=nc,
         null_at=nc,
         alloc_tokens=alloc,
-        window_slack=draw(_BITS),
+        free_lag=draw(_BITS),
         own_window=draw(st.booleans()),
         ids=_shuffled_ids(draw, sum(len_blocks)),
     )
@@ -435,3 +448,50 @@ def store_after_load(case: LoadCase, state_after_load: RequestState, tier: FakeT
         look.num_tokens,
         tier,
     )
+
+
+@dataclass(frozen=True)
+class SharedPrefixCase:
+    """An earlier request that stored its chunks in one step, and a later request sharing
+    its tokens: the later one's lookup, against the tier the earlier one's store filled."""
+
+    later: LookupCase
+    """The later request; its `tier` holds every complete chunk of the earlier request."""
+    earlier: StoreCase
+    """The earlier request's one step: all its tokens computed at once into fresh blocks,
+    with an empty tier of unbounded room."""
+
+
+@st.composite
+def shared_prefix_cases(draw: st.DrawFn) -> SharedPrefixCase:
+    """Return two requests of one token chain: the earlier one `shared` tokens long, stored
+    in one prefill step; the later one of any length, with any GPU prefix. The later case's
+    tier holds every complete chunk of every group of the earlier request."""
+    config = draw(configs())
+    largest = max(chunk_sizes(config))
+    shared = _between(draw, 0, 5 * largest, from_high=True)
+    num_tokens = _between(draw, 0, 5 * largest, from_high=True)
+    hashes = hashes_for(config, max(shared, num_tokens))
+    before = hashes[: shared // config.hash_block_size]
+    earlier_state = new_request_state(
+        config, "req-0", num_prompt_tokens=shared, block_hashes=before
+    )
+    blocks = engine_blocks(
+        config,
+        num_computed_tokens=0,
+        null_at=0,
+        alloc_tokens=[shared] * config.num_groups,
+        free_lag=0,
+        own_window=False,
+        ids=_shuffled_ids(draw, sum(ceil_div(shared, s.block_size) for s in config.groups)),
+    )
+    earlier = StoreCase(config, earlier_state, blocks, 0, shared, shared, FakeTier({}, None))
+    later_state = new_request_state(
+        config,
+        "req-1",
+        num_prompt_tokens=num_tokens,
+        block_hashes=hashes[: num_tokens // config.hash_block_size],
+    )
+    everything = FakeTier({key: HIT for keys in earlier_state.keys for key in keys}, None)
+    nc = _between(draw, 0, num_tokens, skew=True)
+    return SharedPrefixCase(LookupCase(config, later_state, num_tokens, nc, everything), earlier)

@@ -26,6 +26,7 @@ from kvferry.core.catalog import KeyState
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.eviction import EvictionPolicyKind
 from kvferry.core.keys import OffloadKey
+from kvferry.core.kinds import KIND_RULES
 from kvferry.core.plan import Direction
 from kvferry.executors.faults import FaultPoint
 
@@ -45,10 +46,10 @@ def configs(draw: st.DrawFn) -> OffloadConfig:
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(list(GroupKind)))
         block = hash_block * draw(st.integers(1, 2))
-        window = None
-        if kind is GroupKind.SLIDING_WINDOW:
-            window = draw(st.integers(1, 3 * f * block))
-        groups.append(GroupSpec(kind=kind, block_size=block, sliding_window=window))
+        parameters = {  # windows and attention chunks of up to 3 chunks
+            name: draw(st.integers(1, 3 * f * block)) for name in KIND_RULES[kind].parameters
+        }
+        groups.append(GroupSpec(kind=kind, block_size=block, **parameters))
     return OffloadConfig(hash_block_size=hash_block, blocks_per_chunk=f, groups=tuple(groups))
 
 

@@ -1,15 +1,16 @@
-"""Property tests of the planner (issue 2, item 5): invariants over random hybrid requests.
+"""Property tests of the planner: invariants over random hybrid requests.
 
 Each test states one property; the lookup oracle is a brute force over boundaries, written from
-the principle of DESIGN §4.1, not from the scanning algorithm in core/lookup.py.
+the documented rule (docs/semantics.md), not from the scanning algorithm in core/lookup.py.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from hypothesis import Phase, given
+from hypothesis import Phase, assume, given
 from hypothesis import strategies as st
 from planner_strategies import (
     HIT,
@@ -17,11 +18,13 @@ from planner_strategies import (
     FakeTier,
     LoadCase,
     LookupCase,
+    SharedPrefixCase,
     StoreCase,
     ceil_div,
     copy_blocks,
     load_cases,
     lookup_cases,
+    shared_prefix_cases,
     store_after_load,
     store_cases,
 )
@@ -111,7 +114,26 @@ def ids_flagged(blocks: GroupBlocks, flags: np.ndarray) -> set[int]:
 
 
 # --------------------------------------------------------------------------------------------
-# The lookup oracle (DESIGN §4.1, the principle)
+# The lookup oracle (the rule: the highest boundary where every group has what it needs)
+
+
+def needed_tokens(config: OffloadConfig, group: int, boundary: int) -> range:
+    """Return the tokens `group` must hold to compute from token `boundary` on (the documented
+    rule, written here independently of core): every earlier token for full attention, the
+    `w - 1` before it for a sliding window of `w` (and the `e` extra retained tokens below
+    those), the state after token `boundary - 1` (held with that token's block) for Mamba, the
+    earlier tokens of its attention chunk for chunked local attention."""
+    spec = config.groups[group]
+    if spec.kind is GroupKind.SLIDING_WINDOW:
+        assert spec.sliding_window is not None
+        reach = spec.sliding_window - 1 + spec.extra_retained_tokens
+        return range(max(0, boundary - reach), boundary)
+    if spec.kind is GroupKind.MAMBA:
+        return range(max(0, boundary - 1), boundary)
+    if spec.kind is GroupKind.CHUNKED_LOCAL_ATTENTION:
+        assert spec.attention_chunk_size is not None
+        return range(boundary - boundary % spec.attention_chunk_size, boundary)
+    return range(boundary)
 
 
 def needed_chunks(
@@ -120,34 +142,29 @@ def needed_chunks(
     """Return the chunks `group` must read from the tier to resume at `boundary`, or None when
     it cannot resume there at all.
 
-    Full attention: every chunk from the GPU prefix's chunk to the one holding `boundary - 1`.
-    Sliding window `w`: every chunk overlapping `[boundary - w, boundary)`, except those wholly
-    below the GPU prefix's chunk (the GPU holds them). Mamba: the boundary must be a chunk end,
-    and the chunk ending there holds the state.
+    The chunks holding the tokens `needed_tokens` names, except those wholly below the GPU
+    prefix's chunk (the GPU holds them); the chunk the prefix ends inside is read, since its
+    block is loaded whole. Mamba resumes only at its own chunk ends, where a state exists.
     """
     if boundary <= num_computed:
         return range(0)  # nothing to load: the GPU already holds the prefix
-    spec = config.groups[group]
     chunk = config.chunk_tokens(group)
-    start = num_computed // chunk
-    if spec.kind is GroupKind.FULL_ATTENTION:
-        return range(start, ceil_div(boundary, chunk))
-    if spec.kind is GroupKind.SLIDING_WINDOW:
-        assert spec.sliding_window is not None
-        low = max(boundary - spec.sliding_window, 0) // chunk
-        return range(max(low, start), ceil_div(boundary, chunk))
-    if boundary % chunk:
+    if config.groups[group].kind is GroupKind.MAMBA and boundary % chunk:
         return None
-    return range(boundary // chunk - 1, boundary // chunk)
+    tokens = needed_tokens(config, group, boundary)
+    if not tokens:
+        return range(0)
+    return range(max(tokens.start, num_computed) // chunk, ceil_div(boundary, chunk))
 
 
 def needed_keys(case: LookupCase, boundary: int) -> list[OffloadKey] | None:
     """Return every key some group needs at `boundary` (None: some group cannot resume there,
-    or needs a chunk the request has no key for yet)."""
+    or the boundary lies past a group's last complete chunk: no lookup answer passes it, even
+    for a group that needs no chunk there)."""
     keys: list[OffloadKey] = []
     for g in range(case.config.num_groups):
         chunks = needed_chunks(case.config, g, case.num_computed_tokens, boundary)
-        if chunks is None or (chunks and chunks[-1] >= len(case.state.keys[g])):
+        if chunks is None or boundary > len(case.state.keys[g]) * case.config.chunk_tokens(g):
             return None
         keys.extend(case.state.keys[g][j] for j in chunks)
     return keys
@@ -286,7 +303,7 @@ def test_lookup_boundary_is_valid_for_every_group(case: LookupCase) -> None:
 
 @given(lookup_cases())
 def test_lookup_finds_the_highest_valid_boundary(case: LookupCase) -> None:
-    # What DESIGN §4.1 guarantees. Each group's scan returns the highest boundary, no higher
+    # What the lookup guarantees. Each group's scan returns the highest boundary, no higher
     # than the current one, that is valid for that group (a full-attention prefix is valid at
     # every boundary below it; a window valid off its grid is valid at the next grid point too).
     # Shrinking from the top with these monotone steps until nothing moves therefore stops at
@@ -304,7 +321,7 @@ def test_lookup_finds_the_highest_valid_boundary(case: LookupCase) -> None:
     if found.tokens:
         assert found.tokens == gain
         for g, spec in enumerate(case.config.groups):
-            if spec.kind is not GroupKind.FULL_ATTENTION:
+            if spec.rule.windowed:
                 assert found.tokens >= case.config.chunk_tokens(g)
     else:
         assert gain < max(chunk_sizes(case.config))
@@ -334,28 +351,46 @@ def test_lookup_retries_exactly_when_its_answer_needs_a_pending_key(case: Lookup
 
 
 # --------------------------------------------------------------------------------------------
-# Load after a lookup hit (DESIGN §4.2)
+# Load after a lookup hit
 
 
 @given(load_cases())
 def test_load_fills_exactly_the_fresh_blocks_of_the_hit(case: LoadCase) -> None:
+    # Fresh blocks from the one holding the GPU prefix's end, or the group's first needed token
+    # when that lies higher: an engine that frees a window's blocks a token late keeps one more
+    # real block below the window, which holds nothing the request needs.
     plan, _ = run_load(case)
     assert plan.direction is Direction.LOAD
-    nc = case.lookup.num_computed_tokens
+    config, nc = case.lookup.config, case.lookup.num_computed_tokens
     cached = nc + case.hit_tokens
     for g, blocks in enumerate(case.blocks):
-        size = case.lookup.config.groups[g].block_size
+        size = config.groups[g].block_size
         n_gpu = ceil_div(cached, size)
-        fresh = [
-            i
-            for i in range(ceil_div(nc, size), n_gpu)
-            if not blocks.is_null[i] and not blocks.is_cached[i]
-        ]
+        needed = needed_tokens(config, g, cached)
+        low = max(nc, needed.start) // size if needed else n_gpu
+        fresh = [i for i in range(low, n_gpu) if not blocks.is_null[i] and not blocks.is_cached[i]]
         first = fresh[0] if fresh else 0
         assert fresh == list(range(first, n_gpu)) or not fresh  # the engine's table shape
         assert plan.group_sizes[g] == len(fresh)
         assert plan.block_indices[g] == first
         assert plan.gpu_ids_of(g).tolist() == [int(blocks.ids[i]) for i in fresh]
+
+
+@given(load_cases())
+def test_load_leaves_no_needed_token_unfilled(case: LoadCase) -> None:
+    # Every token below the hit that a group needs is on the GPU already (below the computed
+    # prefix: in a cached block or the request's own) or in a block the plan fills; the block
+    # a GPU prefix ends inside holds tokens on both sides, so the plan fills it whole.
+    plan, _ = run_load(case)
+    config, nc = case.lookup.config, case.lookup.num_computed_tokens
+    boundary = nc + case.hit_tokens
+    for g, blocks in enumerate(case.blocks):
+        size = config.groups[g].block_size
+        filled = set(range(plan.block_indices[g], plan.block_indices[g] + plan.group_sizes[g]))
+        for token in needed_tokens(config, g, boundary):
+            index = token // size
+            if token >= nc and not blocks.is_cached[index]:
+                assert index in filled, f"group {g}: token {token} (block {index}) is not filled"
 
 
 @given(load_cases())
@@ -383,7 +418,7 @@ def test_load_never_moves_a_store_cursor_backwards(case: LoadCase) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Store (DESIGN §4.3)
+# Store
 
 
 @given(store_cases())
@@ -418,7 +453,8 @@ def test_store_never_plans_a_key_the_tier_has(case: StoreCase) -> None:
 @given(store_cases())
 def test_store_plans_every_new_complete_real_chunk(case: StoreCase) -> None:
     # The other side of the three above: every complete chunk from the cursor on, with real
-    # blocks and missing from the tier, is stored when there is room.
+    # blocks, missing from the tier and worth storing (of a windowed group: in the window of a
+    # boundary a lookup can answer), is stored when there is room.
     decision = run_store(case)
     f = case.config.blocks_per_chunk
     wanted = []
@@ -426,7 +462,8 @@ def test_store_plans_every_new_complete_real_chunk(case: StoreCase) -> None:
         end = min(case.done // case.config.chunk_tokens(g), len(keys))
         for j in range(case.state.store_cursor[g], end):
             real = not case.blocks[g].is_null[j * f : (j + 1) * f].any()
-            if real and case.tier.statuses([keys[j]]) == [KeyStatus.MISS]:
+            useful = case.config.keeps_chunk(g, j)
+            if real and useful and case.tier.statuses([keys[j]]) == [KeyStatus.MISS]:
                 wanted.append(keys[j])
     if not wanted:
         assert decision.outcome is StoreOutcome.NOTHING
@@ -463,6 +500,22 @@ def test_store_never_moves_a_cursor_backwards(case: StoreCase) -> None:
     decision = run_store(case)
     for old, new in zip(case.state.store_cursor, decision.state.store_cursor, strict=True):
         assert new >= old
+
+
+@given(shared_prefix_cases())
+def test_a_stored_request_serves_every_lookup_every_chunk_of_it_would(
+    case: SharedPrefixCase,
+) -> None:
+    # The store passes over windowed chunks no lookup can load (docs/semantics.md, "Which
+    # windowed chunks are stored"); a later request sharing the tokens then finds what it would
+    # find with every chunk in the tier. Left out on purpose: a prompt whose length is a
+    # multiple of every chunk size resumes at its last token, off every grid.
+    config, later = case.later.config, case.later
+    unit = math.lcm(*chunk_sizes(config))
+    assume(not config.has_windowed_group or later.num_tokens % unit)
+    stored = run_store(case.earlier).plan
+    kept = FakeTier({key: HIT for key in (stored.keys if stored else ())}, None)
+    assert run_lookup(later, kept) == run_lookup(later)
 
 
 @given(load_cases())

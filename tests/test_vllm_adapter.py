@@ -45,6 +45,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 class SlidingWindowSpec:
     block_size: int
     sliding_window: int
+    extra_retained_tokens: int = 0
 
 
 @dataclass
@@ -56,6 +57,11 @@ class MambaSpec:
 class ChunkedLocalAttentionSpec:
     block_size: int
     attention_chunk_size: int
+
+
+@dataclass
+class CrossAttentionSpec:
+    block_size: int
 
 
 @dataclass
@@ -181,6 +187,13 @@ def test_spec_kinds_are_recognised_by_class_name() -> None:
     assert config.groups[3].block_size == 32
 
 
+def test_sliding_window_spec_brings_its_extra_retained_tokens() -> None:
+    config = offload_config_from_vllm(
+        kv_cache_config(SlidingWindowSpec(16, 128, extra_retained_tokens=3)), hash_block_size=16
+    )
+    assert (config.groups[0].sliding_window, config.groups[0].extra_retained_tokens) == (128, 3)
+
+
 def test_full_attention_spec_with_a_window_stays_full_attention() -> None:
     config = offload_config_from_vllm(
         kv_cache_config(FullAttentionSpec(16, sliding_window=128)), hash_block_size=16
@@ -189,10 +202,19 @@ def test_full_attention_spec_with_a_window_stays_full_attention() -> None:
     assert config.groups[0].sliding_window is None
 
 
+def test_chunked_local_attention_spec_brings_its_attention_chunk_size() -> None:
+    config = offload_config_from_vllm(
+        kv_cache_config(FullAttentionSpec(16), ChunkedLocalAttentionSpec(16, 64)),
+        hash_block_size=16,
+    )
+    assert config.groups[1].kind is GroupKind.CHUNKED_LOCAL_ATTENTION
+    assert config.groups[1].attention_chunk_size == 64
+
+
 def test_unknown_spec_class_is_refused_naming_the_group() -> None:
-    with pytest.raises(InvalidInputError, match=r"group 1.*ChunkedLocalAttentionSpec"):
+    with pytest.raises(InvalidInputError, match=r"group 1.*CrossAttentionSpec"):
         offload_config_from_vllm(
-            kv_cache_config(FullAttentionSpec(16), ChunkedLocalAttentionSpec(16, 64)),
+            kv_cache_config(FullAttentionSpec(16), CrossAttentionSpec(16)),
             hash_block_size=16,
         )
 
