@@ -615,17 +615,24 @@ def run_one_gpu(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
 
 
 def group_bound(
-    job: int, direction: Direction, *, group: int, groups: int, ids: np.ndarray, rows: np.ndarray
+    job: int,
+    direction: Direction,
+    *,
+    group: int,
+    groups: int,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    f: int = 1,
 ) -> BoundPlan:
-    """Return job `job` moving the blocks `ids` of `group` alone (one block per chunk) to or
-    from the CPU rows `rows`."""
+    """Return job `job` moving the blocks `ids` of `group` alone (`f` blocks per chunk, whole
+    chunks) to or from the CPU rows `rows`."""
     sizes = [0] * groups
     sizes[group] = len(ids)
     plan = TransferPlan(
         request_id=f"bench{job}",
         direction=direction,
-        blocks_per_chunk=1,
-        keys=[OffloadKey(group, int(i).to_bytes(8, "little")) for i in range(len(ids))],
+        blocks_per_chunk=f,
+        keys=[OffloadKey(group, int(i).to_bytes(8, "little")) for i in range(len(rows))],
         gpu_block_ids=ids,
         group_sizes=sizes,
         block_indices=[0] * groups,
@@ -650,6 +657,7 @@ def _verify(  # noqa: PLR0917
     rows: np.ndarray,
     rng: Any,
     job: int,
+    f: int,
 ) -> None:
     """Store 16 blocks to `rows`, load them into 16 other blocks, and compare their data bytes
     (as `engine_layouts.data_regions` states them); raise RuntimeError on a difference."""
@@ -658,7 +666,7 @@ def _verify(  # noqa: PLR0917
     groups = len(model.groups)
     for j, (direction, which) in enumerate(((Direction.STORE, src), (Direction.LOAD, dst))):
         bound = group_bound(
-            job + j, direction, group=group, groups=groups, ids=which, rows=rows[:16]
+            job + j, direction, group=group, groups=groups, ids=which, rows=rows[: 16 // f], f=f
         )
         executor.submit(bound)
         (result,) = executor.wait([bound.job_id])
@@ -685,7 +693,10 @@ def run_models(args: argparse.Namespace, torch: Any, device: str = "cuda") -> di
         f"ceiling (contiguous pinned copy, {args.gib} GiB): store (GPU to CPU) "
         f"{ceiling['store']:.1f} GB/s, load (CPU to GPU) {ceiling['load']:.1f} GB/s"
     )
-    layout = f"vLLM allocator layouts, random block ids, catalog CPU rows, {args.gib} GiB jobs"
+    layout = (
+        f"vLLM allocator layouts, F = {args.blocks_per_chunk}, random block ids, catalog CPU "
+        f"rows, {args.gib} GiB jobs"
+    )
     print(f"jobs: {layout}")
     header = (
         f"{'model':<12} {'g':>1} {'page kind':<44} {'executor':<12} {'dir':<6} {'GB/s':>6} "
@@ -698,8 +709,10 @@ def run_models(args: argparse.Namespace, torch: Any, device: str = "cuda") -> di
     view = _torch_view(torch)
     for name in args.model:
         probe = engine_model(name, 2)
-        moved = [
-            max(-(-total // group_block_bytes(probe, g)), 16) for g in range(len(probe.groups))
+        f = args.blocks_per_chunk
+        moved = [  # whole chunks, at least 16 blocks
+            max(-(-total // group_block_bytes(probe, g) // f) * f, 16)
+            for g in range(len(probe.groups))
         ]
         model = engine_model(name, 2 * max(moved) + 32)
         buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in model.buffer_bytes]
@@ -711,12 +724,16 @@ def run_models(args: argparse.Namespace, torch: Any, device: str = "cuda") -> di
             if args.staging_mib is not None:
                 options = {**options, "staging_bytes": args.staging_mib << 20}
             executor = make_executor(
-                executor_name, kv_caches=kv, blocks_per_chunk=1, num_rows=max(moved), **options
+                executor_name,
+                kv_caches=kv,
+                blocks_per_chunk=f,
+                num_rows=max(moved) // f,
+                **options,
             )
             try:
                 for g, kind in enumerate(model.page_kinds):
-                    rows = catalog_rows(moved[g])
-                    _verify(torch, executor, model, buffers, g, rows, rng, 10_000)
+                    rows = catalog_rows(moved[g] // f)
+                    _verify(torch, executor, model, buffers, g, rows, rng, 10_000, f)
                     for direction in (Direction.STORE, Direction.LOAD):
                         bounds = [
                             group_bound(
@@ -726,6 +743,7 @@ def run_models(args: argparse.Namespace, torch: Any, device: str = "cuda") -> di
                                 groups=len(model.groups),
                                 ids=rng.choice(model.num_blocks, size=moved[g], replace=False),
                                 rows=rows,
+                                f=f,
                             )
                             for job in range(args.repeat + 1)
                         ]
@@ -744,6 +762,7 @@ def run_models(args: argparse.Namespace, torch: Any, device: str = "cuda") -> di
                             "model": name,
                             "group": g,
                             "page_kind": kind,
+                            "blocks_per_chunk": f,
                             "direction": direction.value,
                             "page_bytes": group_block_bytes(model, g),
                             "bytes": nbytes,
@@ -842,6 +861,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated, of " + ", ".join(MODELS) + ": measure that model's KV caches as "
         "vLLM's allocator lays them out, per group and direction (instead of the page sweep)",
+    )
+    parser.add_argument(
+        "--blocks-per-chunk",
+        type=int,
+        choices=(1, 2, 4, 8, 16),
+        default=1,
+        help="F of the --model jobs: blocks per chunk, one CPU row per chunk (default 1)",
     )
     parser.add_argument(
         "--gpus",

@@ -38,7 +38,12 @@ def test_each_model_group_is_verified_and_measured_with_a_bar_line_per_bar(
     monkeypatch.setattr(transfer, "pinned_copy_gbps", lambda *_: {"store": 1.0, "load": 1.0})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     args = argparse.Namespace(
-        model=["jamba", "gpt-oss"], gib=0.002, repeat=1, variants=["cpu"], staging_mib=None
+        model=["jamba", "gpt-oss"],
+        gib=0.002,
+        repeat=1,
+        variants=["cpu"],
+        staging_mib=None,
+        blocks_per_chunk=4,
     )
     out: dict[str, Any] = transfer.run_models(args, torch, device="cpu")
     groups = {(r["model"], r["group"], r["direction"]) for r in out["results"]}
