@@ -1274,7 +1274,7 @@ CLI_CASES = [
         ("request.num_tokens",),
         file=_scenario(request={"num_tokens": "16"}),
     ),
-    CliCase("an unknown benchmark", ("bench", "--only", "gpu"), ("invalid choice",)),
+    CliCase("an unknown benchmark", ("bench", "planer"), ("benchmark", "did you mean")),
 ]
 
 

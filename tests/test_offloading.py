@@ -145,15 +145,20 @@ def test_a_config_of_another_type_is_refused() -> None:
         )
 
 
-def test_gpu_settings_do_not_reach_a_host_executor_but_executor_options_do() -> None:
+def test_a_gpu_setting_for_a_host_executor_is_refused_naming_it() -> None:
+    settings = KvferryConfig.from_mapping({"staging_bytes": "64MiB"})
+    with pytest.raises(InvalidInputError, match="staging_bytes"):
+        _build(settings=settings)
+
+
+def test_executor_options_reach_a_host_executor() -> None:
     made: dict[str, Any] = {}
 
     def factory(name: str, **options: Any) -> Executor:
         made.update(options)
         return make_executor(name, **{k: v for k, v in options.items() if k != "trace"})
 
-    settings = KvferryConfig.from_mapping({"staging_bytes": "64MiB", "submit_thread": True})
-    with _build(settings=settings, executor_options={"trace": "on"}, executor_factory=factory):
+    with _build(executor_options={"trace": "on"}, executor_factory=factory):
         pass
     assert "staging_bytes" not in made and "submit_thread" not in made
     assert made["trace"] == "on"
