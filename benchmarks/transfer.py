@@ -12,6 +12,11 @@ time (`time.thread_time`); the wall clock is printed beside it.
 
     kvferry bench transfer --variants torch,cupy
 
+`--model llama,gpt-oss,jamba,mla,cross-layer,synthetic` measures instead the KV caches of a
+model laid out as vLLM's allocator lays them out (`kvferry.benchmarks.engine_layouts`): per
+group (page kind) and direction, jobs of `--gib` GiB of that group's blocks, each checked byte
+for byte on a sample of blocks after a store and load, and one PASS/FAIL line per bar.
+
 `--gpus N` runs the same transfer on N GPUs at once, one worker process per GPU
 (`kvferry.adapters.workers`: the scheduler side sends each bound plan to every rank as message
 bytes and waits for all of them), and prints the aggregate GB/s against N x the single-GPU
@@ -52,6 +57,15 @@ from kvferry.benchmarks.common import (
     pyplot,
     save_plot,
     write_json,
+)
+from kvferry.benchmarks.engine_layouts import (
+    MODELS,
+    EngineView,
+    Model,
+    data_regions,
+    engine_model,
+    group_block_bytes,
+    kv_caches,
 )
 from kvferry.core.bound import BoundPlan
 from kvferry.core.catalog import Catalog, CatalogConfig
@@ -452,6 +466,13 @@ def _submit_of_2048_block_load(
         torch.cuda.empty_cache()
 
 
+def _what(row: dict[str, Any]) -> str:
+    """Return what a result row measured: a model's group, or a page size."""
+    if "model" in row:
+        return f"{row['model']} group {row['group']}, {row['page_kind']}"
+    return f"{row['page_bytes'] // KIB} KiB"
+
+
 def bars(
     rows: list[dict[str, Any]], submit_2048: dict[str, dict[str, float]]
 ) -> list[dict[str, Any]]:
@@ -469,7 +490,7 @@ def bars(
             f"each direction >= {RATIO_BAR} x the contiguous pinned copy of this run, "
             "every executor and page size",
             f"worst {worst['ratio_to_ceiling']:.2f} ({worst['executor']} {worst['direction']} "
-            f"{worst['page_bytes'] // KIB} KiB); per variant "
+            f"{_what(worst)}); per variant "
             + ", ".join(f"{v} {r:.2f}" for v, r in per_variant.items()),
         )
     )
@@ -481,7 +502,7 @@ def bars(
             ratio <= SUBMIT_SHARE_BAR,
             f"CPU time inside submit() <= {SUBMIT_SHARE_BAR:.0%} of the job's time, every job",
             f"worst {ratio:.1%} ({share['executor']} {share['direction']} "
-            f"{share['page_bytes'] // KIB} KiB, {share['submit_cpu_seconds'] * 1e3:.2f} of "
+            f"{_what(share)}, {share['submit_cpu_seconds'] * 1e3:.2f} of "
             f"{share['seconds'] * 1e3:.2f} ms); on the wall clock worst {wall:.1%}",
         )
     )
@@ -593,6 +614,181 @@ def run_one_gpu(args: argparse.Namespace, torch: Any) -> dict[str, Any]:
     }
 
 
+def group_bound(
+    job: int,
+    direction: Direction,
+    *,
+    group: int,
+    groups: int,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    f: int = 1,
+) -> BoundPlan:
+    """Return job `job` moving the blocks `ids` of `group` alone (`f` blocks per chunk, whole
+    chunks) to or from the CPU rows `rows`."""
+    sizes = [0] * groups
+    sizes[group] = len(ids)
+    plan = TransferPlan(
+        request_id=f"bench{job}",
+        direction=direction,
+        blocks_per_chunk=f,
+        keys=[OffloadKey(group, int(i).to_bytes(8, "little")) for i in range(len(rows))],
+        gpu_block_ids=ids,
+        group_sizes=sizes,
+        block_indices=[0] * groups,
+    )
+    return BoundPlan(job_id=job, plan=plan, cpu_rows=rows)
+
+
+def _torch_view(torch: Any) -> Any:
+    def view(buffer: Any, v: EngineView) -> Any:
+        dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[v.itemsize]
+        return buffer.view(dtype).as_strided(v.shape, v.strides, v.offset // v.itemsize)
+
+    return view
+
+
+def _verify(  # noqa: PLR0917
+    torch: Any,
+    executor: Any,
+    model: Model,
+    buffers: list[Any],
+    group: int,
+    rows: np.ndarray,
+    rng: Any,
+    job: int,
+    f: int,
+) -> None:
+    """Store 16 blocks to `rows`, load them into 16 other blocks, and compare their data bytes
+    (as `engine_layouts.data_regions` states them); raise RuntimeError on a difference."""
+    ids = rng.choice(model.num_blocks, size=32, replace=False)
+    src, dst = ids[:16], ids[16:]
+    groups = len(model.groups)
+    for j, (direction, which) in enumerate(((Direction.STORE, src), (Direction.LOAD, dst))):
+        bound = group_bound(
+            job + j, direction, group=group, groups=groups, ids=which, rows=rows[: 16 // f], f=f
+        )
+        executor.submit(bound)
+        (result,) = executor.wait([bound.job_id])
+        if not result.success:
+            raise RuntimeError(result.error)
+    torch.cuda.synchronize()
+    for a, b in zip(src.tolist(), dst.tolist(), strict=True):
+        for (buf, s0, n), (_, d0, _) in zip(
+            data_regions(model, group, a), data_regions(model, group, b), strict=True
+        ):
+            if not torch.equal(buffers[buf][s0 : s0 + n], buffers[buf][d0 : d0 + n]):
+                raise RuntimeError(f"{model.name} group {group}: block {b} differs from {a}")
+
+
+def run_models(args: argparse.Namespace, torch: Any, device: str = "cuda") -> dict[str, Any]:
+    """Measure every `--model`'s groups with every variant, each direction; print the table
+    (ratio per direction and page kind) and the bars; return the results as the JSON holds them.
+    `device` "cpu" (with the `cpu` variant) exercises the same steps on the host."""
+    info = measured_on(torch)
+    print(measured_on_line(info))
+    total = int(args.gib * (1 << 30))
+    ceiling = pinned_copy_gbps(torch, total, args.repeat)
+    print(
+        f"ceiling (contiguous pinned copy, {args.gib} GiB): store (GPU to CPU) "
+        f"{ceiling['store']:.1f} GB/s, load (CPU to GPU) {ceiling['load']:.1f} GB/s"
+    )
+    layout = (
+        f"vLLM allocator layouts, F = {args.blocks_per_chunk}, random block ids, catalog CPU "
+        f"rows, {args.gib} GiB jobs"
+    )
+    print(f"jobs: {layout}")
+    header = (
+        f"{'model':<12} {'g':>1} {'page kind':<44} {'executor':<12} {'dir':<6} {'GB/s':>6} "
+        f"{'ratio':>6} {'submit ms':>9} {'cpu ms':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    rng = np.random.default_rng(0)
+    rows_out: list[dict[str, Any]] = []
+    view = _torch_view(torch)
+    for name in args.model:
+        probe = engine_model(name, 2)
+        f = args.blocks_per_chunk
+        moved = [  # whole chunks, at least 16 blocks
+            max(-(-total // group_block_bytes(probe, g) // f) * f, 16)
+            for g in range(len(probe.groups))
+        ]
+        model = engine_model(name, 2 * max(moved) + 32)
+        buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in model.buffer_bytes]
+        for buffer in buffers:
+            buffer.random_(0, 255)
+        kv = kv_caches(model, buffers, view)
+        for variant in args.variants:
+            executor_name, options = VARIANTS[variant]
+            if args.staging_mib is not None:
+                options = {**options, "staging_bytes": args.staging_mib << 20}
+            executor = make_executor(
+                executor_name,
+                kv_caches=kv,
+                blocks_per_chunk=f,
+                num_rows=max(moved) // f,
+                **options,
+            )
+            try:
+                for g, kind in enumerate(model.page_kinds):
+                    rows = catalog_rows(moved[g] // f)
+                    _verify(torch, executor, model, buffers, g, rows, rng, 10_000, f)
+                    for direction in (Direction.STORE, Direction.LOAD):
+                        bounds = [
+                            group_bound(
+                                job,
+                                direction,
+                                group=g,
+                                groups=len(model.groups),
+                                ids=rng.choice(model.num_blocks, size=moved[g], replace=False),
+                                rows=rows,
+                                f=f,
+                            )
+                            for job in range(args.repeat + 1)
+                        ]
+                        seconds, submit, gpu_seconds, submit_cpu = _measure(executor, bounds)
+                        nbytes = moved[g] * group_block_bytes(model, g)
+                        gbps = nbytes / seconds / 1e9
+                        ratio = gbps / ceiling[direction.value]
+                        print(
+                            f"{name:<12} {g:>1} {kind[:44]:<44} {variant:<12} "
+                            f"{direction.value:<6} {gbps:>6.1f} {ratio:>6.2f} "
+                            f"{submit * 1e3:>9.2f} {submit_cpu * 1e3:>7.2f}",
+                            flush=True,
+                        )
+                        rows_out.append({
+                            "executor": variant,
+                            "model": name,
+                            "group": g,
+                            "page_kind": kind,
+                            "blocks_per_chunk": f,
+                            "direction": direction.value,
+                            "page_bytes": group_block_bytes(model, g),
+                            "bytes": nbytes,
+                            "seconds": seconds,
+                            "submit_seconds": submit,
+                            "submit_cpu_seconds": submit_cpu,
+                            "gpu_seconds": gpu_seconds,
+                            "gbps": gbps,
+                            "ratio_to_ceiling": ratio,
+                        })  # fmt: skip
+            finally:
+                executor.close()
+        del kv, buffers
+        torch.cuda.empty_cache()
+    verdicts = bars(rows_out, {})
+    for verdict in verdicts:
+        print(bar_line(verdict["passed"], verdict["bar"], verdict["measured"]))
+    return {
+        "measured_on": info,
+        "ceiling_gbps": ceiling,
+        "jobs": layout,
+        "results": rows_out,
+        "bars": verdicts,
+    }
+
+
 def plot(results: Path, png: Path, *, log: TextIO | None = None) -> Path | None:
     """Draw GB/s against page size per executor and direction, with the pinned-copy ceilings,
     from this benchmark's JSON; return the PNG's path, or None (said on `log`) when matplotlib
@@ -660,6 +856,20 @@ def _parser() -> argparse.ArgumentParser:
         "permutation (a fragmented tier: one link copy per row)",
     )
     parser.add_argument(
+        "--model",
+        type=names,
+        default=None,
+        help="comma-separated, of " + ", ".join(MODELS) + ": measure that model's KV caches as "
+        "vLLM's allocator lays them out, per group and direction (instead of the page sweep)",
+    )
+    parser.add_argument(
+        "--blocks-per-chunk",
+        type=int,
+        choices=(1, 2, 4, 8, 16),
+        default=1,
+        help="F of the --model jobs: blocks per chunk, one CPU row per chunk (default 1)",
+    )
+    parser.add_argument(
         "--gpus",
         type=positive_int,
         default=None,
@@ -683,6 +893,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    unknown = [m for m in args.model or () if m not in MODELS]
+    if unknown:
+        parser.error(f"--model: unknown {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    if args.model and args.gpus is not None:
+        parser.error("--model runs on one GPU (no --gpus)")
     on_host = args.variants == ["cpu"]
     if "cpu" in args.variants and (args.gpus is None or not on_host):
         parser.error("--variants cpu: alone, and only with --gpus (a dry run of the processes)")
@@ -690,7 +905,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if torch is None and not on_host:
         return EXIT_SKIPPED
     json_path, png_path = output_paths(args.out, NAME)
-    run = run_one_gpu if args.gpus is None else run_multi_gpu
+    run = run_multi_gpu if args.gpus is not None else run_models if args.model else run_one_gpu
     results = run(args, torch)
     write_json(json_path, results)
     drawn = plot(json_path, png_path)

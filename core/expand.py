@@ -213,7 +213,7 @@ def _expand_group(
     slot = position % f
     block = ids[np.clip(position - skip, 0, n - 1)]
     gpu = base + block * stride
-    cpu = rows[row_of] * row_bytes + offset + slot * stride
+    cpu = rows[row_of] * row_bytes + offset + slot * size
 
     def column(values: IdArray) -> IdArray:
         flat: IdArray = np.broadcast_to(values, grid_shape).reshape(-1)

@@ -86,9 +86,10 @@ class PageRef:
     num_blocks: int = attrs.field(validator=at_least(1))
     """Pages in the tensor; a block id must be below it."""
     page_stride: int = attrs.field(validator=at_least(1))
-    """Bytes between consecutive pages; also the size of a slot in a CPU row."""
+    """Bytes between consecutive pages on the GPU."""
     page_bytes: int = attrs.field(validator=at_least(1))
-    """Bytes to copy per page (at most `page_stride`: padded pages copy only the real state)."""
+    """Bytes to copy per page (at most `page_stride`: padded pages copy only the real state);
+    also the size of the page's slot in a CPU row, which holds no padding."""
 
     def __attrs_post_init__(self) -> None:
         if self.page_bytes > self.page_stride:
@@ -125,16 +126,17 @@ class GroupLayout:
         return min(r.num_blocks for r in self.refs)
 
     def row_offsets(self, blocks_per_chunk: int) -> tuple[int, ...]:
-        """Return each ref's byte offset inside a CPU row (refs one after another, F slots each)."""
+        """Return each ref's byte offset inside a CPU row (refs one after another, F slots of
+        `page_bytes` each)."""
         offsets, total = [], 0
         for ref in self.refs:
             offsets.append(total)
-            total += blocks_per_chunk * ref.page_stride
+            total += blocks_per_chunk * ref.page_bytes
         return tuple(offsets)
 
     def row_bytes(self, blocks_per_chunk: int) -> int:
-        """Return the bytes one chunk of this group occupies in a CPU row."""
-        return blocks_per_chunk * sum(r.page_stride for r in self.refs)
+        """Return the bytes one chunk of this group occupies in a CPU row: its data only."""
+        return blocks_per_chunk * self.block_copy_bytes
 
     def chunk_copy_bytes(self, blocks_per_chunk: int) -> int:
         """Return the bytes one full chunk of this group actually copies (no padding)."""
@@ -176,7 +178,7 @@ class KVLayout:
 
     @functools.cached_property
     def row_bytes(self) -> int:
-        """Return the size of one CPU row: the largest group's chunk, page strides counted."""
+        """Return the size of one CPU row: the largest group's chunk (data bytes, no padding)."""
         return max(g.row_bytes(self.blocks_per_chunk) for g in self.groups)
 
     def group_row_bytes(self, group: int) -> int:
@@ -207,54 +209,153 @@ def describe_tensor(
     strides: Sequence[int],
     itemsize: int,
     group: int | None = None,
+    name: str | None = None,
+    kernel_blocks_per_block: int = 1,
 ) -> tuple[PageRef, ...]:
     """Return the refs of one KV tensor, from its shape, strides (in elements) and address.
 
     Dimensions before the block dimension (the K/V half of `KV_SPLIT`) become separate refs;
     dimensions after it form the page and must be densely packed (size-1 dimensions excepted).
+    Refs whose pages lie side by side (K and V of one block next to each other, as a hybrid
+    model's attention layers have them) become one ref of the two pages' bytes.
+
+    `kernel_blocks_per_block` says how many of the tensor's blocks (the attention kernel's) make
+    one block of the cache manager, whose ids plans carry: manager block `b` is kernel blocks
+    `k*b .. k*b + k - 1`. It is never guessed from the shape. A refusal is an InvalidInputError
+    whose field names the tensor (`name`) and whose value shows its shape and strides.
     """
+    label = f"{name}." if name else ""
 
     def fail(field: str, expected: str, got: object) -> None:
-        raise InvalidInputError(group=group, field=field, expected=expected, got=got)
+        raise InvalidInputError(group=group, field=label + field, expected=expected, got=got)
 
     if not isinstance(kind, TensorLayout):
         fail("kind", "a TensorLayout", kind)
     rule = LAYOUT_RULES[kind]
-    for name, values in (("shape", shape), ("strides", strides), ("itemsize", (itemsize,))):
+    for what, values in (
+        ("shape", shape),
+        ("strides", strides),
+        ("itemsize", (itemsize,)),
+        ("kernel_blocks_per_block", (kernel_blocks_per_block,)),
+    ):
         if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
-            fail(name, "integers", values)
+            fail(what, "integers", values)
     shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
+    seen = {"shape": shape, "strides": strides}
 
     if len(shape) < rule.min_ndim or len(strides) != len(shape):
-        fail("shape", f"{rule.shape} for {kind.value} (strides of the same rank)", (shape, strides))
+        fail("shape", f"{rule.shape} for {kind.value} (strides of the same rank)", seen)
     if rule.kv_dim is not None and shape[rule.kv_dim] != 2:
-        fail("shape", f"{rule.shape}: size 2 at dimension {rule.kv_dim}", shape)
+        fail("shape", f"{rule.shape}: size 2 at dimension {rule.kv_dim}", seen)
     if itemsize < 1 or any(s < 0 for s in strides):
-        fail("strides", "non-negative strides and an itemsize >= 1", (strides, itemsize))
+        fail("strides", "non-negative strides and an itemsize >= 1", {**seen, "itemsize": itemsize})
     trailing = shape[rule.block_dim + 1 :]
     expected_stride = 1
     for size, stride in reversed(list(zip(trailing, strides[rule.block_dim + 1 :], strict=True))):
         if size != 1 and stride != expected_stride:
-            fail("strides", f"densely packed dimensions after the block one, {rule.shape}", strides)
+            fail("strides", f"densely packed dimensions after the block one, {rule.shape}", seen)
         expected_stride *= size
     page_bytes = math.prod(trailing) * itemsize
     num_blocks = shape[rule.block_dim]
     page_stride = strides[rule.block_dim] * itemsize if num_blocks > 1 else page_bytes
     if page_stride < page_bytes:
-        fail("strides", f"a page stride of at least the page ({page_bytes} bytes)", page_stride)
+        fail("strides", f"a page stride of at least the page ({page_bytes} bytes)", seen)
+    k = kernel_blocks_per_block
+    if k < 1 or num_blocks % k:
+        fail(
+            "kernel_blocks_per_block",
+            f"a divisor >= 1 of the tensor's {num_blocks} kernel blocks",
+            {**seen, "kernel_blocks_per_block": k},
+        )
     leading = shape[: rule.block_dim]
-    refs = []
+    refs: list[PageRef] = []
     for index in _all_indices(leading):
         offset = sum(i * s for i, s in zip(index, strides, strict=False)) * itemsize
-        refs.append(
-            PageRef(
-                address=address + offset,
-                num_blocks=num_blocks,
-                page_stride=page_stride,
-                page_bytes=page_bytes,
-            )
+        # a manager block's k kernel pages: one page when they touch, else one ref per page
+        parts = (
+            [(0, page_bytes * k)]
+            if page_stride == page_bytes
+            else [(j * page_stride, page_bytes) for j in range(k)]
         )
-    return tuple(refs)
+        refs.extend(
+            PageRef(
+                address=address + offset + start,
+                num_blocks=num_blocks // k,
+                page_stride=page_stride * k,
+                page_bytes=size,
+            )
+            for start, size in parts
+        )
+    return coalesce_refs(refs)
+
+
+def describe_pages(
+    *,
+    address: int,
+    buffer_bytes: int,
+    page_bytes: int,
+    page_stride: int,
+    offset: int = 0,
+    num_blocks: int | None = None,
+    group: int | None = None,
+    name: str | None = None,
+) -> PageRef:
+    """Return the ref of "each block is a page of `page_bytes` at `page_stride`, starting
+    `offset` bytes into a buffer of `buffer_bytes` at `address`": the neutral form of any layout.
+
+    `num_blocks` defaults to every page that fits in the buffer. A page that would reach past
+    the buffer, or overlap the next page, is refused with an InvalidInputError naming `name`.
+    """
+    label = f"{name}." if name else ""
+    seen = {
+        "buffer_bytes": buffer_bytes,
+        "offset": offset,
+        "page_bytes": page_bytes,
+        "page_stride": page_stride,
+        "num_blocks": num_blocks,
+    }
+
+    def fail(field: str, expected: str) -> None:
+        raise InvalidInputError(group=group, field=label + field, expected=expected, got=seen)
+
+    values = [address, buffer_bytes, page_bytes, page_stride, offset]
+    if num_blocks is not None:
+        values.append(num_blocks)
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+        fail("page_bytes", "integer sizes, strides and offsets")
+    if page_bytes < 1 or page_stride < page_bytes or offset < 0:
+        fail("page_stride", "page_bytes >= 1, page_stride >= page_bytes, offset >= 0")
+    room = buffer_bytes - offset - page_bytes
+    fits = room // page_stride + 1 if room >= 0 else 0
+    blocks = fits if num_blocks is None else int(num_blocks)
+    if blocks < 1 or blocks > fits:
+        fail("num_blocks", f"1 to {fits} pages (what fits in the buffer after the offset)")
+    return PageRef(
+        address=int(address) + int(offset),
+        num_blocks=blocks,
+        page_stride=int(page_stride),
+        page_bytes=int(page_bytes),
+    )
+
+
+def coalesce_refs(refs: Sequence[PageRef]) -> tuple[PageRef, ...]:
+    """Return `refs` with each run of refs whose pages lie back to back in one page (same
+    blocks and stride, the next starting where the previous ends) joined into one ref: the same
+    bytes, copied as one piece per block."""
+    out: list[PageRef] = []
+    for ref in refs:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and ref.num_blocks == last.num_blocks
+            and ref.page_stride == last.page_stride
+            and ref.address == last.address + last.page_bytes
+            and last.page_bytes + ref.page_bytes <= ref.page_stride
+        ):
+            out[-1] = attrs.evolve(last, page_bytes=last.page_bytes + ref.page_bytes)
+        else:
+            out.append(ref)
+    return tuple(out)
 
 
 def _all_indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:

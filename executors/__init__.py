@@ -17,7 +17,14 @@ from kvferry.executors.registry import (
     make_executor,
     register_executor,
 )
-from kvferry.executors.tensors import KVTensor, RegisteredTensor, TensorGeometry, tensor_geometry
+from kvferry.executors.tensors import (
+    KVCacheEntry,
+    KVPages,
+    KVTensor,
+    RegisteredTensor,
+    TensorGeometry,
+    tensor_geometry,
+)
 
 __all__ = [
     "BUILTIN_EXECUTORS",
@@ -26,6 +33,8 @@ __all__ = [
     "Executor",
     "ExecutorEntry",
     "HostTier",
+    "KVCacheEntry",
+    "KVPages",
     "KVTensor",
     "RegisteredTensor",
     "TensorGeometry",

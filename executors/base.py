@@ -21,7 +21,7 @@ from kvferry.core.layout import KVLayout
 from kvferry.core.plan import Direction
 from kvferry.executors.host import HostRegistrar, HostTier
 from kvferry.executors.jobcode import JobCode, job_code, route_of
-from kvferry.executors.tensors import KVTensor, RegisteredTensor, build_layout
+from kvferry.executors.tensors import KVCacheEntry, RegisteredTensor, build_layout
 
 
 def checked_job_ids(job_ids: Iterable[int], in_flight: Container[int]) -> list[int]:
@@ -72,7 +72,7 @@ class Executor(abc.ABC):
     def __init__(
         self,
         *,
-        kv_caches: Sequence[Sequence[KVTensor]],
+        kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
         num_rows: int,
         route: str | None = None,

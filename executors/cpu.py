@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from kvferry.core.bound import BoundPlan
 from kvferry.core.expand import copy_list, expand_pages
 from kvferry.executors.base import Executor
-from kvferry.executors.tensors import KVTensor
+from kvferry.executors.tensors import KVCacheEntry
 
 
 class CpuExecutor(Executor):
@@ -32,7 +32,7 @@ class CpuExecutor(Executor):
     def __init__(
         self,
         *,
-        kv_caches: Sequence[Sequence[KVTensor]],
+        kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
         num_rows: int,
         route: str | None = None,

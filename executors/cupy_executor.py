@@ -31,7 +31,7 @@ from kvferry.executors.staged import (
     GpuJob,
     StagedGpuExecutor,
 )
-from kvferry.executors.tensors import KVTensor
+from kvferry.executors.tensors import KVCacheEntry
 
 _HOST_REGISTER_FLAGS = 1 | 2
 """cudaHostRegisterPortable | cudaHostRegisterMapped (device access through UVA)."""
@@ -90,7 +90,7 @@ class CupyExecutor(StagedGpuExecutor):
     def __init__(
         self,
         *,
-        kv_caches: Sequence[Sequence[KVTensor]],
+        kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
         num_rows: int,
         compute_stream: Any = None,

@@ -135,7 +135,7 @@ class HostTier:
         view: npt.NDArray[np.uint8] = np.lib.stride_tricks.as_strided(
             self.array[offset:],
             shape=(self.num_rows, f, page.page_bytes),
-            strides=(self.row_bytes, page.page_stride, 1),
+            strides=(self.row_bytes, page.page_bytes, 1),
         )
         return view
 

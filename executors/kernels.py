@@ -68,7 +68,7 @@ extern "C" __global__ void kvferry_stage_copy(
         const long long q = s[S_FIRST_POSITION] + p;
         const unsigned long long staged = (unsigned long long)stage + s[S_STAGE_OFFSET]
             + r[R_ROW_OFFSET] + (q / r[R_SLOTS]) * r[R_ROW_PITCH]
-            + (q % r[R_SLOTS]) * r[R_PAGE_STRIDE] + c;
+            + (q % r[R_SLOTS]) * r[R_SLOT_BYTES] + c;
         const unsigned long long paged =
             (unsigned long long)r[R_GPU_BASE] + ids[s[S_ID_OFFSET] + p] * r[R_PAGE_STRIDE] + c;
         const long long m = (r[R_PAGE_BYTES] - c < piece) ? r[R_PAGE_BYTES] - c : piece;

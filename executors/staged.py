@@ -37,7 +37,7 @@ from kvferry.executors.kernels import (
     WARPS,
 )
 from kvferry.executors.staging import StagePlanner
-from kvferry.executors.tensors import KVTensor
+from kvferry.executors.tensors import KVCacheEntry
 
 DEFAULT_STAGING_BYTES = 256 << 20
 """GPU staging per direction (two halves) unless told otherwise. Each batch costs a few host
@@ -158,7 +158,7 @@ class StagedGpuExecutor(Executor):
     def __init__(
         self,
         *,
-        kv_caches: Sequence[Sequence[KVTensor]],
+        kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
         num_rows: int,
         staging_bytes: int,

@@ -35,12 +35,14 @@ REF_FIELDS = (
     "slots",
     "piece_prefix",
     "pieces",
+    "slot_bytes",
 )
 """Columns of the ref table, in order (int64 each), one line per ref of every group, group
 after group. A page of the ref with GPU id `i` lies at `gpu_base + i * page_stride`; in a CPU
-row (and so in staging) the ref's `slots` (F) pages start `row_offset` bytes in, `page_stride`
-apart, and a group's rows are `row_pitch` bytes. The kernel cuts a page into `pieces` pieces of
-at most `piece_bytes`; `piece_prefix` is the pieces per page of the group's refs before this one."""
+row (and so in staging) the ref's `slots` (F) pages start `row_offset` bytes in, `slot_bytes`
+apart (the page's bytes: a row holds no padding), and a group's rows are `row_pitch` bytes.
+The kernel cuts a page into `pieces` pieces of at most `piece_bytes`; `piece_prefix` is the
+pieces per page of the group's refs before this one."""
 
 SLICE_FIELDS = (
     "first_ref",
@@ -55,7 +57,7 @@ SLICE_FIELDS = (
 batch: refs `first_ref .. first_ref + refs - 1` of the ref table, and `count` pages per ref, at
 positions `q = first_position + p` (p < count) of the group's rows laid one after another from
 `stage_offset` in staging; page p has GPU id `ids[id_offset + p]`. So ref r's page p lies at
-`stage_offset + row_offset + (q // slots) * row_pitch + (q % slots) * page_stride` in staging.
+`stage_offset + row_offset + (q // slots) * row_pitch + (q % slots) * slot_bytes` in staging.
 The kernel numbers the pieces of a batch one after another, slice after slice, ref after ref,
 page after page; `first_item` is the slice's first."""
 
@@ -182,7 +184,9 @@ class StagePlanner:
         self._sizes = [layout.group_row_bytes(g) for g in range(layout.num_groups)]
         self._whole_rows = all(size == self._row_bytes for size in self._sizes)
         """Whether every group's chunk fills a row (then so do any job's groups)."""
-        self._dense = [all(r.page_bytes == r.page_stride for r in g.refs) for g in layout.groups]
+        self._dense = [True] * layout.num_groups
+        """Whether a group's slots in a row are all data: always, since rows hold no padding
+        (`PageRef.page_bytes` is the slot); the job code's constants still carry the flag."""
         lines: list[tuple[int, ...]] = []
         self._refs_of: list[_GroupRefs] = []
         for g, group in enumerate(layout.groups):
@@ -200,6 +204,7 @@ class StagePlanner:
                         f,
                         prefix,
                         pieces,
+                        ref.page_bytes,
                     )
                 )
                 prefix += pieces
@@ -394,9 +399,8 @@ class StagePlanner:
         refs = self.ref_table[group.first_ref : group.first_ref + group.refs]
         slots = np.arange(first, end, dtype=np.int64)
         offset = refs[:, _REF["row_offset"], None]
-        stride = refs[:, _REF["page_stride"], None]
         size = refs[:, _REF["page_bytes"], None]
-        in_row = (offset + slots[None, :] * stride).ravel()
+        in_row = (offset + slots[None, :] * size).ravel()
         return in_row, np.broadcast_to(size, (len(refs), len(slots))).ravel()
 
 
@@ -461,7 +465,7 @@ def segment_copies(
         column["stage_offset"][line_slice][line]
         + ref["row_offset"][line]
         + (q // slots) * ref["row_pitch"][line]
-        + (q % slots) * stride
+        + (q % slots) * ref["slot_bytes"][line]
     )
     ids = np.asarray(ids, np.int64)
     gpu = ref["gpu_base"][line] + ids[column["id_offset"][line_slice][line] + p] * stride

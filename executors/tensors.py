@@ -11,7 +11,14 @@ from typing import Any
 import attrs
 
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, describe_tensor
+from kvferry.core.layout import (
+    GroupLayout,
+    KVLayout,
+    PageRef,
+    TensorLayout,
+    describe_pages,
+    describe_tensor,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -22,6 +29,40 @@ class KVTensor:
     """A torch tensor, a CuPy array, a numpy array, or anything with an array interface."""
     layout: TensorLayout = attrs.field(validator=attrs.validators.instance_of(TensorLayout))
     """How its dimensions are arranged."""
+    kernel_blocks_per_block: int = 1
+    """How many of the tensor's blocks (the attention kernel's) make one block of the cache
+    manager, whose ids plans carry; manager block `b` is kernel blocks `k*b .. k*b + k - 1`."""
+    name: str | None = None
+    """What errors call the tensor (default `kv_caches[group][index]`), e.g. a layer's name."""
+
+
+@attrs.frozen(kw_only=True)
+class KVPages:
+    """The neutral layout: each block of a group is a page of `page_bytes` at `page_stride`
+    inside `buffer`, starting `offset` bytes in. One entry per layer (or per view of a layer's
+    buffer); several groups may name the same buffer at different offsets.
+
+    Covers any engine layout whose pages are one run of bytes per block: K and V side by side,
+    Mamba states inside padded pages (only `page_bytes` is copied), MLA latents, blocks-first
+    and cross-layer buffers.
+    """
+
+    buffer: Any
+    """The memory holding the pages: a torch tensor, a CuPy array or a numpy array."""
+    page_bytes: int
+    """Bytes of data per block (what is copied)."""
+    page_stride: int
+    """Bytes from one block's page to the next (at least `page_bytes`)."""
+    offset: int = 0
+    """Bytes from the buffer's start to block 0's page."""
+    num_blocks: int | None = None
+    """Blocks the group can index; default every page that fits in the buffer."""
+    name: str | None = None
+    """What errors call it (default `kv_caches[group][index]`)."""
+
+
+KVCacheEntry = KVTensor | KVPages
+"""One entry of `kv_caches`: a tensor with a `TensorLayout`, or pages in a buffer."""
 
 
 @attrs.frozen(kw_only=True)
@@ -96,7 +137,7 @@ def tensor_geometry(tensor: Any) -> TensorGeometry:
 class RegisteredTensor:
     """A KV tensor as an executor holds it: the tensor, its geometry and the refs it yields."""
 
-    tensor: KVTensor
+    tensor: KVCacheEntry
     """What the engine handed over."""
     geometry: TensorGeometry
     """Its address, shape and strides."""
@@ -104,11 +145,50 @@ class RegisteredTensor:
     """Its refs, in layout order (two for a K/V split tensor)."""
 
 
+def _span_bytes(geometry: TensorGeometry) -> int:
+    """Return the bytes from element 0 to the end of the last element of `geometry`."""
+    if any(size == 0 for size in geometry.shape):
+        return 0
+    last = sum(
+        (size - 1) * stride for size, stride in zip(geometry.shape, geometry.strides, strict=True)
+    )
+    return (last + 1) * geometry.itemsize
+
+
+def _entry_refs(
+    item: KVCacheEntry, geometry: TensorGeometry, g: int, name: str
+) -> tuple[PageRef, ...]:
+    """Return the refs of one `kv_caches` entry, refusing what it cannot represent."""
+    if isinstance(item, KVPages):
+        return (
+            describe_pages(
+                address=geometry.address,
+                buffer_bytes=_span_bytes(geometry),
+                page_bytes=item.page_bytes,
+                page_stride=item.page_stride,
+                offset=item.offset,
+                num_blocks=item.num_blocks,
+                group=g,
+                name=name,
+            ),
+        )
+    return describe_tensor(
+        item.layout,
+        address=geometry.address,
+        shape=geometry.shape,
+        strides=geometry.strides,
+        itemsize=geometry.itemsize,
+        group=g,
+        name=name,
+        kernel_blocks_per_block=item.kernel_blocks_per_block,
+    )
+
+
 def build_layout(
-    kv_caches: Sequence[Sequence[KVTensor]], blocks_per_chunk: int, *, on_gpu: bool
+    kv_caches: Sequence[Sequence[KVCacheEntry]], blocks_per_chunk: int, *, on_gpu: bool
 ) -> tuple[KVLayout, tuple[tuple[RegisteredTensor, ...], ...]]:
-    """Return the layout of `kv_caches` (one sequence of tensors per group) and each tensor's
-    registration (geometry and refs), group by group.
+    """Return the layout of `kv_caches` (one sequence of entries per group: `KVTensor` or
+    `KVPages`) and each entry's registration (geometry and refs), group by group.
 
     Every tensor must be on the GPU (`on_gpu`) or on the host, as the executor requires.
     """
@@ -116,30 +196,28 @@ def build_layout(
     for g, tensors in enumerate(kv_caches):
         refs: list[PageRef] = []
         group_geometry = []
-        for item in tensors:
-            if not isinstance(item, KVTensor):
-                raise InvalidInputError(group=g, field="kv_caches", expected="KVTensor", got=item)
+        for index, item in enumerate(tensors):
+            if not isinstance(item, (KVTensor, KVPages)):
+                raise InvalidInputError(
+                    group=g, field="kv_caches", expected="KVTensor or KVPages", got=item
+                )
+            name = item.name or f"kv_caches[{g}][{index}]"
             try:
-                geometry = tensor_geometry(item.tensor)
+                geometry = tensor_geometry(
+                    item.buffer if isinstance(item, KVPages) else item.tensor
+                )
             except InvalidInputError as error:  # name the group
                 if error.group is not None:
                     raise
                 raise InvalidInputError(
-                    group=g, field=error.field, expected=error.expected, got=error.got
+                    group=g, field=f"{name}.{error.field}", expected=error.expected, got=error.got
                 ) from error
             if geometry.on_gpu != on_gpu:
                 where = "CUDA" if on_gpu else "host"
                 raise InvalidInputError(
-                    group=g, field="kv_caches", expected=f"{where} tensors", got=geometry.device
+                    group=g, field=name, expected=f"{where} tensors", got=geometry.device
                 )
-            tensor_refs = describe_tensor(
-                item.layout,
-                address=geometry.address,
-                shape=geometry.shape,
-                strides=geometry.strides,
-                itemsize=geometry.itemsize,
-                group=g,
-            )
+            tensor_refs = _entry_refs(item, geometry, g, name)
             group_geometry.append(
                 RegisteredTensor(tensor=item, geometry=geometry, refs=tensor_refs)
             )

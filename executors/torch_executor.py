@@ -23,7 +23,7 @@ from kvferry.executors.staged import (
     GpuJob,
     StagedGpuExecutor,
 )
-from kvferry.executors.tensors import KVTensor
+from kvferry.executors.tensors import KVCacheEntry, KVPages
 
 _HOST_REGISTER_FLAGS = 1 | 2
 """cudaHostRegisterPortable | cudaHostRegisterMapped."""
@@ -69,7 +69,7 @@ class TorchExecutor(StagedGpuExecutor):
     def __init__(
         self,
         *,
-        kv_caches: Sequence[Sequence[KVTensor]],
+        kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
         num_rows: int,
         compute_stream: Any = None,
@@ -85,7 +85,9 @@ class TorchExecutor(StagedGpuExecutor):
                 "the torch executor needs a CUDA device; none is visible"
             )
         self._torch = torch
-        self._device = next(t.tensor for group in kv_caches for t in group).device
+        self._device = next(
+            t.buffer if isinstance(t, KVPages) else t.tensor for group in kv_caches for t in group
+        ).device
         super().__init__(
             kv_caches=kv_caches,
             blocks_per_chunk=blocks_per_chunk,

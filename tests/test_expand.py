@@ -134,7 +134,7 @@ def _naive(bound: BoundPlan, layout: KVLayout) -> list[tuple[int, int, int]]:
                     if 0 <= k < n:
                         out.append((
                             ref.address + group_ids[k] * ref.page_stride,
-                            row * layout.row_bytes + offsets[r] + slot * ref.page_stride,
+                            row * layout.row_bytes + offsets[r] + slot * ref.page_bytes,
                             ref.page_bytes,
                         ))  # fmt: skip
     return out

@@ -309,7 +309,7 @@ def expected_host(
             row = move.rows[position // f]
             slot = position % f
             for r, (_t, data, off, stride, size) in enumerate(model.ref_pages(source, g)):
-                dst = row * layout.row_bytes + offsets[r] + slot * stride
+                dst = row * layout.row_bytes + offsets[r] + slot * size
                 host[dst : dst + size] = data[off + block * stride : off + block * stride + size]
     return host
 
@@ -328,7 +328,7 @@ def expected_gpu(
             row = move.rows[position // f]
             slot = position % f
             for r, (t, _data, off, stride, size) in enumerate(model.ref_pages(before, g)):
-                src = row * layout.row_bytes + offsets[r] + slot * stride
+                src = row * layout.row_bytes + offsets[r] + slot * size
                 after[g][t][off + block * stride : off + block * stride + size] = host[
                     src : src + size
                 ]

@@ -57,5 +57,5 @@ def test_a_mirror_shows_one_refs_slots_of_every_row() -> None:
     tier.array[:] = np.arange(tier.nbytes) % 251
     mirror = tier.mirror(layout, 0, 1)
     assert mirror.shape == (3, 2, 8)
-    start = 2 * layout.row_bytes + 2 * 16 + 8
+    start = 2 * layout.row_bytes + 2 * 10 + 8
     np.testing.assert_array_equal(mirror[2, 1], tier.array[start : start + 8])
