@@ -18,14 +18,13 @@ the median of kvferry's samples, of vLLM's, and the median ratio vLLM / kvferry 
 * a scaling table: a cold long request at 1k-1M tokens x 1, 2, 3 and 6 groups, and the store
   step with reserve at 16, 256 and 1024 running requests.
 
-vLLM's side (when vLLM is installed) is its CPU offloading manager
-(`vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager`, LRU) called as its
-OffloadingConnector's scheduler side calls it: keys made by `make_offload_key` per chunk and
-group, `lookup` per key in prefix order until a miss, then `prepare_load` and `touch` of the
-keys to load; for a decode step, every running request checked for a completed block and
-`prepare_store` for the ones that completed one. The connector's own per-request bookkeeping is
-left out, so vLLM's time here is a lower bound of what its connector pays: a ratio measured
-against it understates kvferry's lead.
+vLLM's side (when vLLM is installed, and not with `--quick`) is its OffloadingConnector's
+scheduler side, built from vLLM's own config and KV-cache planning for the same three groups
+(LRU, an 8 GiB CPU tier, decode chunks stored: `offload_prompt_only` off), driven as vLLM's
+scheduler drives it: for the long request `on_new_request`, `get_num_new_matched_tokens`,
+`update_state_after_alloc` with the allocated `KVCacheBlocks`, and `build_connector_meta`; for
+the decode step `build_connector_meta` with every request scheduled. Both sides find the same
+hit and store the same chunks.
 
     kvferry bench planner
 """
@@ -254,37 +253,44 @@ def long_request_rows(num_tokens: int, num_groups: int = 3) -> dict[str, Sample]
     return {"plan": plan, "pin": pin, "cold": cold, "engine": engine}
 
 
-def vllm_long_request(num_tokens: int, num_groups: int = 3) -> Sample:
-    """Return vLLM's sample of the same long request: its offloading manager's lookup of every
-    chunk in prefix order and `prepare_load` + `touch` of the chunks a load moves (each group's
-    needed chunks, as kvferry's plan moves), keys made by `make_offload_key`."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
-    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-
-    config = config_of(num_groups)
-    hashes = _hashes(1, num_tokens // BLOCK)
-    manager = CPUOffloadingManager(num_chunks=len(hashes) * num_groups + 16)
-    context = ReqContext(req_id="long")
-    manager.on_new_request(context)
-    every = [make_offload_key(h, g) for g in range(num_groups) for h in hashes]
-    stored = manager.prepare_store(every, context)
-    if stored is None:
+def vllm_long_request(num_tokens: int) -> Sample:
+    """Return vLLM's sample of the same long request through its OffloadingConnector's
+    scheduler side: `on_new_request`, `get_num_new_matched_tokens`, `update_state_after_alloc`
+    with the allocated `KVCacheBlocks`, and `build_connector_meta` of the step (the load job)."""
+    side = _VllmSide()
+    scheduler = side.connector()
+    request = side.request("long", num_tokens, max_tokens=1)
+    manager = scheduler.connector_scheduler.manager
+    context = side.ReqContext(req_id="fill")
+    every = [side.make_offload_key(bytes(h), g) for g in range(3) for h in request.block_hashes]
+    if manager.prepare_store(every, context) is None:
         raise RuntimeError("vLLM's manager had no room for the long request")
     manager.complete_store(every, context)
-    hit = (len(hashes) - 1) * BLOCK
-    last = hit // BLOCK
-    needed = [range(spec.first_needed_token(hit) // BLOCK, last) for spec in config.groups]
+    hit = (len(request.block_hashes) - 1) * BLOCK
+    tables = _engine_blocks(config_of(3), num_tokens, hit)
+    null = side.KVCacheBlock(0)
+    null.is_null = True
+    blocks = side.KVCacheBlocks(
+        blocks=tuple(
+            [
+                null if n else side.KVCacheBlock(i)
+                for i, n in zip(t.ids.tolist(), t.is_null.tolist(), strict=True)
+            ]
+            for t in tables
+        )
+    )
+    empty = side.SchedulerOutput.make_empty()
 
     def sample() -> float:
         with _CpuTimer() as timer:
-            keys = [[make_offload_key(h, g) for h in hashes] for g in range(num_groups)]
-            for index in range(last):
-                if manager.lookup(keys[0][index], context) is not LookupResult.HIT:
-                    break
-            load = [keys[g][i] for g in range(num_groups) for i in needed[g]]
-            manager.prepare_load(load, context)
-            manager.touch(load, context)
-        manager.complete_load(load, context)
+            scheduler.on_new_request(request)
+            tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
+            scheduler.update_state_after_alloc(request, blocks, tokens)
+            meta = scheduler.build_connector_meta(empty)
+        if tokens != hit:
+            raise RuntimeError(f"vLLM's connector found {tokens} tokens, kvferry {hit}")
+        side.complete(scheduler, meta.load_jobs, finished_recving={request.request_id})
+        scheduler.request_finished(request, [])
         return timer.ms
 
     return sample
@@ -407,7 +413,7 @@ def store_step_rows(num_requests: int, steps: int) -> dict[str, Sample]:
             num_scheduled_tokens={request.request_id: request.num_tokens for request in requests},
         )
         _report_done(scheduler, scheduler.build_connector_meta(prefill).jobs)
-        ids = [request.request_id for request in requests]
+        request_ids = [request.request_id for request in requests]
         no_new_blocks = [None] * num_requests
 
         def step(s: int) -> float:
@@ -418,12 +424,12 @@ def store_step_rows(num_requests: int, steps: int) -> dict[str, Sample]:
             output = SimpleNamespace(
                 scheduled_new_reqs=[],
                 scheduled_cached_reqs=SimpleNamespace(
-                    req_ids=ids,
+                    req_ids=request_ids,
                     new_block_ids=no_new_blocks,
                     num_computed_tokens=[p + s for p in prompts],
                     resumed_req_ids=set(),
                 ),
-                num_scheduled_tokens=dict.fromkeys(ids, 1),
+                num_scheduled_tokens=dict.fromkeys(request_ids, 1),
             )
             with _CpuTimer() as timer:
                 meta = scheduler.build_connector_meta(output)
@@ -436,42 +442,216 @@ def store_step_rows(num_requests: int, steps: int) -> dict[str, Sample]:
 
 
 def vllm_store_step(num_requests: int, steps: int) -> Sample:
-    """Return vLLM's sample of the same decode step: every running request checked for a
-    completed hash block, and its offloading manager's `prepare_store` of the completed chunk
-    in every group (keys by `make_offload_key`) for the requests that completed one."""
-    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-
+    """Return vLLM's sample of the same decode step: `build_connector_meta` of its
+    OffloadingConnector's scheduler side with every request scheduled (decode chunks stored:
+    `offload_prompt_only` off), after the same prompts were stored through it."""
+    side = _VllmSide()
+    scheduler = side.connector()
     prompts = _prompts(num_requests)
-    hashes = [_hashes(r + 2, (p + steps + 1) // BLOCK) for r, p in enumerate(prompts)]
-    manager = CPUOffloadingManager(
-        num_chunks=3 * num_requests * (2048 // BLOCK + num_requests // BLOCK + steps // BLOCK + 4)
+    requests = [
+        side.request(f"r{r}", prompt, max_tokens=steps + 2, seed=r)
+        for r, prompt in enumerate(prompts)
+    ]
+    for request in requests:  # vLLM's add_request, before the step
+        scheduler.on_new_request(request)
+    new = []
+    base = 1
+    for request, prompt in zip(requests, prompts, strict=True):
+        count = -(-(prompt + steps + 2) // BLOCK)
+        ids: tuple[list[int], ...] = tuple(
+            list(range(base + g * count, base + (g + 1) * count)) for g in range(3)
+        )
+        base += 3 * count
+        scheduler.get_num_new_matched_tokens(request, 0)
+        blocks = side.KVCacheBlocks(blocks=tuple([side.KVCacheBlock(i) for i in g] for g in ids))
+        scheduler.update_state_after_alloc(request, blocks, 0)
+        new.append(side.NewRequestData.from_request(request, ids))
+    prefill = side.output(
+        scheduled_new_reqs=new,
+        num_scheduled_tokens={q.request_id: q.num_tokens for q in requests},
+        total_num_scheduled_tokens=sum(prompts),
     )
-    contexts = [ReqContext(req_id=f"r{r}") for r in range(num_requests)]
-    for r, prompt in enumerate(prompts):
-        manager.on_new_request(contexts[r])
-        keys = [make_offload_key(h, g) for g in range(3) for h in hashes[r][: prompt // BLOCK]]
-        if manager.prepare_store(keys, contexts[r]) is None:
-            raise RuntimeError("vLLM's manager had no room for the prompts")
-        manager.complete_store(keys, contexts[r])
+    side.complete(scheduler, scheduler.build_connector_meta(prefill).store_jobs)
+    request_ids = [q.request_id for q in requests]
+    no_new_blocks: list[Any] = [None] * num_requests
 
     def step(s: int) -> float:
-        written: list[tuple[list[Any], Any]] = []
+        for request, prompt in zip(requests, prompts, strict=True):  # the engine's own work
+            request.num_computed_tokens = prompt + s
+            request.append_output_token_ids(5)
+        cached = side.CachedRequestData(
+            req_ids=request_ids,
+            resumed_req_ids=set(),
+            new_token_ids=[],
+            all_token_ids={},
+            new_block_ids=no_new_blocks,
+            num_computed_tokens=[p + s for p in prompts],
+            num_output_tokens=[s + 1] * num_requests,
+        )
+        output = side.output(
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict.fromkeys(request_ids, 1),
+            total_num_scheduled_tokens=num_requests,
+        )
         with _CpuTimer() as timer:
-            for r, prompt in enumerate(prompts):
-                num_tokens = prompt + s + 1
-                if num_tokens % BLOCK:
-                    continue
-                block_hash = hashes[r][num_tokens // BLOCK - 1]
-                keys = [make_offload_key(block_hash, g) for g in range(3)]
-                prepared = manager.prepare_store(keys, contexts[r])
-                if prepared is not None and prepared.keys_to_store:
-                    written.append((list(prepared.keys_to_store), contexts[r]))
-        for keys, context in written:
-            manager.complete_store(keys, context)
+            meta = scheduler.build_connector_meta(output)
+        side.complete(scheduler, meta.store_jobs)
         return timer.ms
 
     return _step_samples(step)
+
+
+class _VllmSide:
+    """vLLM 0.33's OffloadingConnector, scheduler side, for the same groups as `config_of(3)`:
+    built from vLLM's own config and KV-cache planning on the CPU (a model config written to a
+    temporary folder; no weights), with an 8 GiB CPU tier."""
+
+    def __init__(self) -> None:
+        import dataclasses
+        import logging
+        import tempfile
+
+        import torch
+        from vllm import SamplingParams
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector,
+        )
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+        from vllm.v1.core.kv_cache_utils import (
+            KVCacheBlock,
+            generate_scheduler_kv_cache_config,
+            get_request_block_hasher,
+            init_none_hash,
+            resolve_kv_cache_block_sizes,
+        )
+        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+        from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.request import Request
+
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+        self.KVCacheBlock = KVCacheBlock
+        self.KVCacheBlocks = KVCacheBlocks
+        self.SchedulerOutput = SchedulerOutput
+        self.NewRequestData = NewRequestData
+        self.CachedRequestData = CachedRequestData
+        self.ReqContext = ReqContext
+        self.make_offload_key = make_offload_key
+        self._replace = dataclasses.replace
+        self._KVConnectorOutput = KVConnectorOutput
+        self._WorkerMetadata = OffloadingWorkerMetadata
+        self._Request = Request
+        self._SamplingParams = SamplingParams
+        self._hasher = get_request_block_hasher(BLOCK, sha256)
+        init_none_hash(sha256)
+        with tempfile.TemporaryDirectory() as folder:
+            model = {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 3,
+                "vocab_size": 1000,
+                "max_position_embeddings": 1 << 21,
+                "torch_dtype": "float16",
+            }
+            (Path(folder) / "config.json").write_text(json.dumps(model), encoding="utf-8")
+            model_config = ModelConfig(
+                model=folder,
+                skip_tokenizer_init=True,
+                dtype="float16",
+                seed=0,
+                max_model_len=1 << 21,
+            )
+        extra = {"cpu_bytes_to_use": 1 << 33, "block_size": BLOCK, "offload_prompt_only": False}
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=1024,
+                max_num_batched_tokens=8192,
+                max_model_len=1 << 21,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        # vLLM turns its hybrid allocator off on a CPU platform; on a GPU it is on.
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        vllm_config.cache_config.kv_cache_layout = "LBHNC"
+        specs = {
+            "model.layers.0.self_attn.attn": FullAttentionSpec(
+                block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16
+            ),
+            "model.layers.1.self_attn.attn": SlidingWindowSpec(
+                block_size=BLOCK,
+                num_kv_heads=2,
+                head_size=8,
+                dtype=torch.float16,
+                sliding_window=WINDOW,
+            ),
+            "model.layers.2.mixer": MambaSpec(
+                block_size=BLOCK,
+                shapes=((4, 16),),
+                dtypes=(torch.float16,),
+                mamba_cache_mode="align",
+            ),
+        }
+        groups = get_global_kv_cache_groups(vllm_config, [specs])
+        page = sum(spec.page_size_bytes for spec in specs.values())
+        (worker,) = get_kv_cache_configs(vllm_config, [specs], [page * 400_000], groups)
+        kv_cache_config = generate_scheduler_kv_cache_config([worker])
+        _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        kv_cache_config.hash_block_size = hash_block_size
+        self._connector_args = (vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+        self._Connector = OffloadingConnector
+
+    def connector(self) -> Any:
+        """Return a new scheduler-side OffloadingConnector."""
+        return self._Connector(*self._connector_args)
+
+    def request(self, request_id: str, num_tokens: int, *, max_tokens: int, seed: int = 0) -> Any:
+        """Return a vLLM `Request` of `num_tokens` prompt tokens, its block hashes computed."""
+        return self._Request(
+            request_id=request_id,
+            prompt_token_ids=[(seed * 131 + i * 7) % 997 + 3 for i in range(num_tokens)],
+            sampling_params=self._SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+
+    def output(self, **fields: Any) -> Any:
+        """Return an empty `SchedulerOutput` with `fields` set."""
+        return self._replace(self.SchedulerOutput.make_empty(), **fields)
+
+    def complete(self, scheduler: Any, jobs: Any, **output: Any) -> None:
+        """Report every job of `jobs` done, as vLLM's workers would."""
+        done = self._WorkerMetadata(completed_jobs=dict.fromkeys(jobs, 1))
+        scheduler.update_connector_output(
+            self._KVConnectorOutput(kv_connector_worker_meta=done, **output)
+        )
 
 
 # -- the worker message ------------------------------------------------------------------------
