@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from kvferry.adapters.wire import decode_jobs_binary, is_binary
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.canonical_json import dumps_canonical
 from kvferry.core.codec import plan_from_dict, plan_to_dict
@@ -88,7 +89,10 @@ def encode_jobs(jobs: Sequence[BoundPlan]) -> bytes:
 
 
 def decode_jobs(data: bytes) -> tuple[BoundPlan, ...]:
-    """Return the bound plans of an `encode_jobs` message (validated like any plan)."""
+    """Return the bound plans of an `encode_jobs` message, or of the binary form
+    `kvferry.adapters.wire.encode_jobs_binary` writes (validated like any plan)."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and is_binary(data):
+        return decode_jobs_binary(data)
     _, body = _decode(data, MessageKind.JOBS, "jobs")
     jobs = []
     for entry in body:

@@ -10,14 +10,15 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+import numpy as np
 
 from kvferry.adapters.messages import (
     decode_completions,
     decode_jobs,
     encode_completions,
-    encode_jobs,
 )
 from kvferry.adapters.session import OffloadSession, RecomputeRange, RunningRequest
+from kvferry.adapters.wire import encode_jobs_binary
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import CatalogEvent
@@ -223,8 +224,12 @@ def group_blocks_from_ids(
     tables = []
     for spec, ids in zip(config.groups, block_ids, strict=True):
         skipped = engine_skipped_tokens(spec, num_computed_tokens) // spec.block_size
-        null = [i for i, block in enumerate(ids) if block == NULL_BLOCK_ID or i < skipped]
-        tables.append(GroupBlocks.of(list(ids), null=null))
+        array = np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, dtype=np.int64)
+        null = array == NULL_BLOCK_ID  # one vectorised pass, no Python loop per block
+        null[:skipped] = True
+        tables.append(
+            GroupBlocks(ids=array, is_null=null, is_cached=np.zeros(len(array), dtype=np.bool_))
+        )
     return tuple(tables)
 
 
@@ -236,7 +241,8 @@ class ConnectorMetadata:
     """What the scheduler ships to every worker for one step (vLLM's `KVConnectorMetadata`)."""
 
     jobs: bytes
-    """The step's bound plans, loads first, as an `encode_jobs` message."""
+    """The step's bound plans, loads first, as a binary jobs message
+    (`kvferry.adapters.wire.encode_jobs_binary`; `decode_jobs` reads it)."""
     flush: tuple[int, ...] = ()
     """Jobs to wait for before this step's forward pass (stores and loads of preempted
     requests, whose GPU blocks the step may reuse)."""
@@ -410,7 +416,7 @@ class KvferryConnectorScheduler:
         step = self._session.start_stores(running)
         self._released.update(step.released)
         jobs, self._loads = [*self._loads, *step.jobs], []
-        return ConnectorMetadata(jobs=encode_jobs(jobs), flush=tuple(sorted(flush)))
+        return ConnectorMetadata(jobs=encode_jobs_binary(jobs), flush=tuple(sorted(flush)))
 
     def update_connector_output(self, messages: Iterable[bytes]) -> ConnectorOutput:
         """Record the workers' completion messages; return which requests finished loading,

@@ -47,6 +47,7 @@ import numpy as np
 from kvferry.adapters.messages import decode_jobs, encode_completions, encode_jobs
 from kvferry.adapters.session import OffloadSession
 from kvferry.adapters.vllm import KvferryConnectorScheduler
+from kvferry.adapters.wire import encode_jobs_binary
 from kvferry.benchmarks.common import (
     add_common_options,
     bar_line,
@@ -681,7 +682,21 @@ def message_job() -> BoundPlan:
 
 
 def message_row() -> Sample:
-    """Return the sample of one worker message: `encode_jobs` + `decode_jobs` of `message_job`."""
+    """Return the sample of one worker message as the engine-facing layer sends it: the binary
+    `encode_jobs_binary` + `decode_jobs` of `message_job`."""
+    jobs = [message_job()]
+
+    def sample() -> float:
+        with _CpuTimer() as timer:
+            decode_jobs(encode_jobs_binary(jobs))
+        return timer.ms
+
+    return sample
+
+
+def json_message_ms(repeat: int) -> float:
+    """Return the median CPU ms of the JSON form of the same message (`encode_jobs` +
+    `decode_jobs`), the readable form, for comparison."""
     jobs = [message_job()]
 
     def sample() -> float:
@@ -689,7 +704,8 @@ def message_row() -> Sample:
             decode_jobs(encode_jobs(jobs))
         return timer.ms
 
-    return sample
+    sample()
+    return statistics.median(sample() for _ in range(repeat))
 
 
 # -- rounds, ratios, bars ----------------------------------------------------------------------
@@ -889,6 +905,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     message = message_row()
     message()
     results["message_ms"] = statistics.median(message() for _ in range(max(rounds, 20)))
+    results["json_message_ms"] = json_message_ms(max(rounds // 3, 3))
     results["scaling"] = scaling(
         SCALE_TOKENS_QUICK if args.quick else SCALE_TOKENS,
         SCALE_RUNNING_QUICK if args.quick else SCALE_RUNNING,
@@ -899,7 +916,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print_rows(f"{running} decode requests", STORE_ROWS, results["store"])
     print(
         f"worker message, {MESSAGE_BLOCKS} blocks x 3 groups, encode + decode: "
-        f"{results['message_ms']:.3f} ms"
+        f"{results['message_ms']:.3f} ms (binary; JSON {results['json_message_ms']:.3f} ms)"
     )
     print(f"{'groups':>6} {'tokens':>9} {'cold ms':>9}")
     for row in results["scaling"]["cold"]:
