@@ -6,6 +6,7 @@ planning rule of its own — lookup, load and store decisions are `OffloadSessio
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -169,28 +170,72 @@ def offload_config_from_vllm(
 # -- block tables -> GroupBlocks ------------------------------------------------------------------
 
 
-def group_blocks_from_vllm(blocks: Iterable[VllmBlock]) -> GroupBlocks:
+def group_blocks_from_vllm(
+    blocks: Iterable[VllmBlock], *, start: int = 0, stop: int | None = None
+) -> GroupBlocks:
     """Return one group's GroupBlocks from vLLM blocks: `is_null` marks null blocks, and a
-    real block with a `block_hash` is a GPU prefix-cache hit (fresh blocks have none yet)."""
-    ids, null, cached = [], [], []
-    for index, block in enumerate(blocks):
-        ids.append(int(block.block_id))
-        if block.is_null:
-            null.append(index)
-        elif block.block_hash is not None:
-            cached.append(index)
-    return GroupBlocks.of(ids, null=null, cached=cached)
+    real block with a `block_hash` is a GPU prefix-cache hit (fresh blocks have none yet).
+
+    Only blocks `[start, stop)` are read (`stop` None: to the end); the table returned ends at
+    `stop`, and its blocks below `start` are null. A load reads only the blocks its
+    destinations can be in (`load_block_ranges`), not every block object of a long request.
+    """
+    window = list(blocks)[start:stop] if not isinstance(blocks, Sequence) else blocks[start:stop]
+    count = len(window)
+    ids = np.fromiter(map(_BLOCK_ID, window), dtype=np.int64, count=count)
+    null = np.fromiter(map(_IS_NULL, window), dtype=np.bool_, count=count)
+    hashed = [block_hash is not None for block_hash in map(_BLOCK_HASH, window)]
+    cached = np.array(hashed, dtype=np.bool_).reshape(count) & ~null
+    skipped = max(start, 0)
+    if skipped:
+        ids = np.concatenate((np.zeros(skipped, dtype=np.int64), ids))
+        null = np.concatenate((np.ones(skipped, dtype=np.bool_), null))
+        cached = np.concatenate((np.zeros(skipped, dtype=np.bool_), cached))
+    return GroupBlocks(ids=ids, is_null=null, is_cached=cached)
 
 
-def blocks_from_vllm(kv_cache_blocks: object) -> tuple[GroupBlocks, ...]:
+_BLOCK_ID = operator.attrgetter("block_id")
+_IS_NULL = operator.attrgetter("is_null")
+_BLOCK_HASH = operator.attrgetter("block_hash")
+
+
+def blocks_from_vllm(
+    kv_cache_blocks: object, *, ranges: Sequence[tuple[int, int]] | None = None
+) -> tuple[GroupBlocks, ...]:
     """Return per-group GroupBlocks of vLLM's `KVCacheBlocks` (its `.blocks`: one sequence of
-    blocks per group) or of a plain sequence of such sequences."""
+    blocks per group) or of a plain sequence of such sequences; with `ranges`, group `g`
+    reads only its blocks `ranges[g]` (see `group_blocks_from_vllm`)."""
     groups = getattr(kv_cache_blocks, "blocks", kv_cache_blocks)
     if not isinstance(groups, Sequence):
         raise InvalidInputError(
             field="blocks", expected="KVCacheBlocks or a sequence per group", got=groups
         )
-    return tuple(group_blocks_from_vllm(group) for group in groups)
+    if ranges is None:
+        return tuple(group_blocks_from_vllm(group) for group in groups)
+    if len(ranges) != len(groups):
+        raise InvalidInputError(
+            field="blocks", expected=f"one block list per group ({len(ranges)})", got=len(groups)
+        )
+    return tuple(
+        group_blocks_from_vllm(group, start=start, stop=stop)
+        for group, (start, stop) in zip(groups, ranges, strict=True)
+    )
+
+
+def load_block_ranges(
+    config: OffloadConfig, *, num_computed_tokens: int, hit_tokens: int
+) -> tuple[tuple[int, int], ...]:
+    """Return, per group, the block range `[start, stop)` a load of `hit_tokens` after
+    `num_computed_tokens` can write into: from the block the GPU prefix ends inside, or the
+    group's first needed block if later, to the block holding the last loaded token. A load
+    plan reads nothing outside it, so a translation needs nothing outside it either."""
+    cached = num_computed_tokens + hit_tokens
+    ranges = []
+    for spec in config.groups:
+        stop = -(-cached // spec.block_size)
+        first = spec.first_needed_token(cached) // spec.block_size
+        ranges.append((min(max(num_computed_tokens // spec.block_size, first), stop), stop))
+    return tuple(ranges)
 
 
 NULL_BLOCK_ID = 0
@@ -293,6 +338,9 @@ class KvferryConnectorScheduler:
         self._requests: dict[str, VllmRequest] = {}
         self._computed: dict[str, int] = {}
         self._tables: dict[str, list[list[int]]] = {}
+        self._built: dict[str, tuple[tuple[int, ...], tuple[GroupBlocks, ...]]] = {}
+        """Each request's GroupBlocks as last built, with the null prefix per group they were
+        built for: a decode step changes few tables, so most are reused as they are."""
         self._loads: list[BoundPlan] = []
         self._load_jobs: dict[int, str] = {}
         self._ready_now: set[str] = set()
@@ -354,9 +402,14 @@ class KvferryConnectorScheduler:
                 got="an unknown request",
             )
         try:
+            ranges = load_block_ranges(
+                self._session.config,
+                num_computed_tokens=computed,
+                hit_tokens=num_external_tokens,
+            )
             job = self._session.start_load(
                 rid,
-                blocks_from_vllm(blocks),
+                blocks_from_vllm(blocks, ranges=ranges),
                 num_computed_tokens=computed,
                 hit_tokens=num_external_tokens,
             )
@@ -388,6 +441,7 @@ class KvferryConnectorScheduler:
             if self._session.request_state(rid) is not None:
                 flush |= self._session.preempt(rid)
             self._tables.pop(rid, None)
+            self._built.pop(rid, None)
         num_scheduled: Mapping[str, int] = getattr(scheduler_output, "num_scheduled_tokens", {})
         running = []
         for rid, new_ids, whole, computed in _scheduled(scheduler_output):
@@ -399,13 +453,10 @@ class KvferryConnectorScheduler:
                     expected="a request seen by get_num_new_matched_tokens",
                     got="an unknown request",
                 )
-            table = self._table(rid, new_ids, whole)
             running.append(
                 RunningRequest(
                     request_id=rid,
-                    blocks=group_blocks_from_ids(
-                        self._session.config, table, num_computed_tokens=computed
-                    ),
+                    blocks=self._group_blocks(rid, new_ids, whole, computed),
                     num_computed_tokens=computed,
                     num_scheduled_tokens=int(num_scheduled[rid]),
                     num_tokens=request.num_tokens,
@@ -483,7 +534,7 @@ class KvferryConnectorScheduler:
                 block_hashes=request.block_hashes,
             )
         jobs = self._session.finish(rid, last=last)
-        for table in (self._requests, self._computed, self._tables):
+        for table in (self._requests, self._computed, self._tables, self._built):
             table.pop(rid, None)
         self._ready_now.discard(rid)
         if jobs:
@@ -493,6 +544,24 @@ class KvferryConnectorScheduler:
     def take_events(self) -> tuple[CatalogEvent, ...]:
         """Return the CPU tier's stored/removed events since the last call (if recorded)."""
         return self._session.drain_events()
+
+    def _group_blocks(
+        self, rid: str, new_ids: Any, whole: bool, computed: int
+    ) -> tuple[GroupBlocks, ...]:
+        """Return the request's GroupBlocks at this step, rebuilt only when its ids changed
+        or a group nulled more blocks since they were last built."""
+        table = self._table(rid, new_ids, whole)
+        config = self._session.config
+        nulled = tuple(
+            engine_skipped_tokens(spec, computed) // spec.block_size for spec in config.groups
+        )
+        grown = whole or (new_ids is not None and any(len(ids) for ids in new_ids))
+        built = None if grown else self._built.get(rid)
+        if built is not None and built[0] == nulled:
+            return built[1]
+        blocks = group_blocks_from_ids(config, table, num_computed_tokens=computed)
+        self._built[rid] = (nulled, blocks)
+        return blocks
 
     def _table(self, rid: str, new_ids: Any, whole: bool) -> list[list[int]]:
         groups = self._session.config.num_groups
