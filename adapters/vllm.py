@@ -269,12 +269,11 @@ def group_blocks_from_ids(
     tables = []
     for spec, ids in zip(config.groups, block_ids, strict=True):
         skipped = engine_skipped_tokens(spec, num_computed_tokens) // spec.block_size
-        array = np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, dtype=np.int64)
-        null = array == NULL_BLOCK_ID  # one vectorised pass, no Python loop per block
+        unflagged = np.zeros(len(ids), dtype=np.bool_)
+        checked = GroupBlocks(ids=ids, is_null=unflagged, is_cached=unflagged)  # refuses bad ids
+        null = checked.ids == NULL_BLOCK_ID  # one vectorised pass, no Python loop per block
         null[:skipped] = True
-        tables.append(
-            GroupBlocks(ids=array, is_null=null, is_cached=np.zeros(len(array), dtype=np.bool_))
-        )
+        tables.append(GroupBlocks(ids=checked.ids, is_null=null, is_cached=unflagged))
     return tuple(tables)
 
 

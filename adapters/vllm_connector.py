@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -41,7 +42,7 @@ from kvferry.adapters.messages import (
     encode_jobs,
 )
 from kvferry.adapters.session import OffloadSession, RunningRequest
-from kvferry.adapters.vllm import blocks_from_vllm, group_kind_of
+from kvferry.adapters.vllm import group_blocks_from_vllm, group_kind_of, load_block_ranges
 from kvferry.adapters.vllm_settings import ConnectorSettings
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
@@ -542,8 +543,14 @@ class _SchedulerSide:
         if num_external_tokens == 0:
             return
         computed = self._computed[rid]
-        tables = blocks_from_vllm(blocks)
-        chosen = tuple(tables[gid] for gid in self._shape.groups.offloaded)
+        ranges = load_block_ranges(  # a load reads only the blocks it can write into
+            self._session.config, num_computed_tokens=computed, hit_tokens=num_external_tokens
+        )
+        groups = getattr(blocks, "blocks", blocks)
+        chosen = tuple(
+            group_blocks_from_vllm(groups[gid], start=start, stop=stop)
+            for gid, (start, stop) in zip(self._shape.groups.offloaded, ranges, strict=True)
+        )
         self._loading.add(rid)
         try:
             job = self._session.start_load(
@@ -722,7 +729,9 @@ def _index_of(hashes: Sequence[bytes], block_hash: bytes) -> int:
 
 def _group_blocks(ids: Sequence[int]) -> GroupBlocks:
     """Return one group's GroupBlocks of vLLM's current table: id 0 is vLLM's null block."""
-    return GroupBlocks.of(list(ids), null=[i for i, block in enumerate(ids) if block == 0])
+    unflagged = np.zeros(len(ids), dtype=np.bool_)
+    checked = GroupBlocks(ids=ids, is_null=unflagged, is_cached=unflagged)  # refuses bad ids
+    return GroupBlocks(ids=checked.ids, is_null=checked.ids == 0, is_cached=unflagged)
 
 
 def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, int]]:
