@@ -18,6 +18,7 @@ InvalidInputError naming the field.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 
@@ -39,6 +40,7 @@ _JOB = struct.Struct("<qBIIIIIIi")
 request id bytes, fingerprint bytes (-1: none)."""
 _DIRECTIONS = (Direction.LOAD, Direction.STORE)
 _I64 = np.dtype("<i8")
+_make_key = tuple.__new__  # what OffloadKey(group, h) does, without its Python-level __new__
 _U32 = np.dtype("<u4")
 
 
@@ -136,15 +138,14 @@ def decode_jobs_binary(data: bytes | bytearray | memoryview) -> tuple[BoundPlan,
         key_groups = reader.array(num_keys, _U32, "keys").tolist()
         lengths = reader.array(num_keys, _U32, "keys")
         blob = reader.take(int(lengths.sum()), "keys")
-        ends = np.cumsum(lengths).tolist()
-        starts = [0, *ends[:-1]]
-        make = tuple.__new__
-        keys = tuple(
-            [
-                make(OffloadKey, (g, blob[s:e]))
-                for g, s, e in zip(key_groups, starts, ends, strict=True)
-            ]
-        )
+        if num_keys and int(lengths.min()) == int(lengths.max()):  # one hash size: strides
+            size = int(lengths[0])
+            hashes = [blob[at : at + size] for at in range(0, num_keys * size, size)]
+        else:
+            ends = np.cumsum(lengths).tolist()
+            hashes = [blob[s:e] for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+        pairs = zip(key_groups, hashes, strict=True)
+        keys = tuple(map(_make_key, itertools.repeat(OffloadKey), pairs))
         plan = TransferPlan(
             request_id=request_id,
             direction=_DIRECTIONS[direction],
