@@ -8,26 +8,29 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-from kvferry.core.canonical_json import dumps_canonical
-from kvferry.core.codec import parse_object
-from kvferry.core.errors import KvferryError, TransferFailedError
-from kvferry.core.scenario import run_scenario
+from typing import Any, NoReturn
 
 EXIT_FAILED = 1
 """A run failed: a page did not verify (or none was loaded to verify), a transfer failed, a
 benchmark failed."""
 EXIT_INPUT = 2
 """The command's input was wrong (arguments, configuration, files)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (SIGINT) ended the command: 128 + the signal's number, as shells report it."""
 
 
 def _plan(args: argparse.Namespace) -> int:
-    text = Path(args.scenario).read_text(encoding="utf-8")
-    sys.stdout.write(dumps_canonical(run_scenario(parse_object(text))))
+    from kvferry.core.canonical_json import dumps_canonical
+    from kvferry.core.scenario import run_scenario
+    from kvferry.core.scenario_schema import MAX_SCENARIO_BYTES, parse_scenario
+
+    with Path(args.scenario).open("rb") as file:  # one byte past the limit says "too large"
+        data = file.read(MAX_SCENARIO_BYTES + 1)
+    sys.stdout.write(dumps_canonical(run_scenario(parse_scenario(data))))
     return 0
 
 
@@ -99,23 +102,34 @@ def _version() -> str:
         return "(not installed)"
 
 
+def _count(text: str, low: int) -> int:
+    """Return `text` as an integer >= `low` written in at most 18 ASCII digits (no sign)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 18) or int(text) < low:
+        shown = text if len(text) <= 20 else f"{text[:12]}... ({len(text)} characters)"
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {shown!r}")
+    return int(text)
+
+
 def _nonnegative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("expected an integer >= 0")
-    return value
+    return _count(text, 0)
 
 
 def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("expected an integer >= 1")
-    return value
+    return _count(text, 1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (argparse prints the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Exit with EXIT_INPUT after one line naming the problem and where help is."""
+        self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the `kvferry` command."""
-    parser = argparse.ArgumentParser(prog="kvferry", description=(__doc__ or "").split("\n\n")[0])
+    """Return the argument parser of the `kvferry` command (its subcommands' parsers are of
+    the same class: every argument error is one line and exit code 2)."""
+    parser = _Parser(prog="kvferry", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"kvferry {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -196,11 +210,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `kvferry` command; return its exit status (1: a run failed, e.g. a page did not
-    verify, the demo verified no page, a worker process died or a benchmark stopped on an error; 2: bad input; 3: every
-    benchmark asked for was skipped, as it needs a CUDA GPU)."""
+    verify, the demo verified no page, a worker process died or a benchmark stopped on an error;
+    2: bad input; 3: every benchmark asked for was skipped, as it needs a CUDA GPU; 130:
+    interrupted by Ctrl-C, after ending every worker process, with one line on stderr)."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # raised wherever Ctrl-C struck; cleanup ran on its way here
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the exit
+        print("kvferry: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    # Imported here, not at the top: a Ctrl-C while numpy loads then reaches `main`'s handler.
     from kvferry.adapters.demo_engine import EngineStalledError
     from kvferry.adapters.demo_verify import VerificationFailedError
     from kvferry.adapters.workers import WorkerError
+    from kvferry.core.errors import KvferryError, TransferFailedError
 
     args = build_parser().parse_args(argv)
     try:

@@ -1,6 +1,7 @@
 """kvferry's configuration: one frozen value from a dict, a TOML file or `KVFERRY_*` variables.
 
-Reads files and the environment only when asked (`from_toml`, `from_env`); validating a value
+Reads files and the environment only when asked (`from_toml`, `from_env`; `catalog_config`
+reads the host's memory size to refuse a tier no host could hold); validating a value
 names the key and the allowed values, and nothing here builds an executor or allocates memory.
 """
 
@@ -16,9 +17,11 @@ from typing import Any
 
 import attrs
 
+from kvferry.adapters.workers import DEFAULT_REPLY_TIMEOUT
 from kvferry.core.catalog import CatalogConfig, rows_for_budget
 from kvferry.core.errors import InvalidInputError, UnknownExecutorError, did_you_mean
 from kvferry.core.eviction import EvictionPolicyKind
+from kvferry.executors.host import host_memory_bytes
 from kvferry.executors.registry import executor_class, executor_entries
 
 ENV_PREFIX = "KVFERRY_"
@@ -36,7 +39,10 @@ _UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
-_SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+MAX_NUMBER = (1 << 63) - 1
+"""Largest count or byte count a setting takes (what a signed 64-bit integer holds)."""
+_SIZE = re.compile(r"\s*([0-9]{1,19})\s*([a-zA-Z]*)\s*", re.ASCII)
+_COUNT = re.compile(r"\s*([0-9]{1,19})\s*", re.ASCII)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -46,21 +52,24 @@ def _bad(key: str, expected: str, got: object) -> InvalidInputError:
 
 
 def parse_bytes(key: str, value: object) -> int:
-    """Return a byte count from an integer or a string such as "512MiB" or "8 GB"."""
-    expected = "a byte count >= 1: an integer or a string such as '512MiB', '8GB'"
+    """Return a byte count from an integer or a string such as "512MiB" or "8 GB" (ASCII
+    digits, at most MAX_NUMBER bytes)."""
+    expected = (
+        f"a byte count >= 1 (at most {MAX_NUMBER}): an integer or a string such as '512MiB', '8GB'"
+    )
     if isinstance(value, bool):
         raise _bad(key, expected, value)
     if isinstance(value, int):
         number = value
     elif isinstance(value, str):
-        match = _SIZE.match(value)
+        match = _SIZE.fullmatch(value)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
             raise _bad(key, expected + " (units: " + ", ".join(u for u in _UNITS if u) + ")", value)
         number = int(match.group(1)) * _UNITS[unit]
     else:
         raise _bad(key, expected, value)
-    if number < 1:
+    if not 1 <= number <= MAX_NUMBER:
         raise _bad(key, expected, value)
     return number
 
@@ -87,11 +96,32 @@ def _parse_policy(key: str, value: object) -> EvictionPolicyKind:
 
 
 def _parse_positive(key: str, value: object) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(key, "an integer >= 1", value)
-    return value
+    number = value
+    if isinstance(value, str):  # ASCII digits only: "²".isdigit() is True, int("²") fails
+        match = _COUNT.fullmatch(value)
+        number = int(match.group(1)) if match else None
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= MAX_NUMBER:
+        raise _bad(key, f"an integer >= 1 (at most {MAX_NUMBER})", value)
+    return number
+
+
+MAX_SECONDS = 86400.0
+"""Longest timeout a setting takes (a day)."""
+_SECONDS = re.compile(r"\s*([0-9]{1,9}(?:\.[0-9]{1,9})?)\s*", re.ASCII)
+
+
+def _parse_seconds(key: str, value: object) -> float:
+    number = value
+    if isinstance(value, str):
+        match = _SECONDS.fullmatch(value)
+        number = float(match.group(1)) if match else None
+    if (
+        isinstance(number, bool)
+        or not isinstance(number, (int, float))
+        or not 0 < number <= MAX_SECONDS
+    ):
+        raise _bad(key, f"seconds > 0 (at most {MAX_SECONDS:g}), e.g. 30 or 2.5", value)
+    return float(number)
 
 
 def _parse_bool(key: str, value: object) -> bool:
@@ -127,6 +157,8 @@ class ConfigKey:
     """Turns a raw value (from a dict, TOML or an environment string) into the typed one."""
     help: str
     """What it selects."""
+    gpu_only: bool = False
+    """Only GPU executors use it: set for a host executor, it is refused (never ignored)."""
 
     @property
     def env(self) -> str:
@@ -184,6 +216,7 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
             allowed="bytes >= 1; unset: the executor's default (GPU executors only)",
             parse=_optional(parse_bytes),
             help="staging buffer per direction of the torch and cupy executors",
+            gpu_only=True,
         ),
         ConfigKey(
             name="submit_thread",
@@ -192,6 +225,15 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
             allowed="true or false (GPU executors only)",
             parse=_parse_bool,
             help="make staged jobs' CUDA calls on a thread of the executor's own",
+            gpu_only=True,
+        ),
+        ConfigKey(
+            name="worker_reply_timeout",
+            kind="number",
+            default=DEFAULT_REPLY_TIMEOUT,
+            allowed=f"seconds > 0, at most {MAX_SECONDS:g}; e.g. 30 or 2.5",
+            parse=_parse_seconds,
+            help="how long a tensor-parallel worker may take to answer before it counts as hung",
         ),
         ConfigKey(
             name="no_native",
@@ -237,6 +279,9 @@ class KvferryConfig:
     """Executors take the Python route (`kvferry.executors.jobcode`), not the compiled one."""
     record_events: bool = False
     """Keep catalog events for `drain_events`."""
+    worker_reply_timeout: float = DEFAULT_REPLY_TIMEOUT
+    """Seconds a tensor-parallel worker may take to answer one command (a stopped or hung
+    worker is named once they pass)."""
 
     @classmethod
     def from_mapping(
@@ -306,19 +351,36 @@ class KvferryConfig:
         self, bytes_per_row: int, *, default_tier_bytes: int | None = None
     ) -> CatalogConfig:
         """Return the catalog configuration for rows of `bytes_per_row` bytes (the executor
-        layout's `row_bytes`); raise InvalidInputError when the budget holds no row."""
+        layout's `row_bytes`); raise InvalidInputError when the budget holds no row, or more
+        than the host's memory (checked before any executor allocates its tier)."""
         budget = self.cpu_tier_bytes if self.cpu_tier_bytes is not None else default_tier_bytes
         if budget is None:
             raise _bad("cpu_tier_bytes", "a byte budget (no default here)", None)
         rows = rows_for_budget(budget, bytes_per_row)
         if rows < 1:
             raise _bad("cpu_tier_bytes", f"at least one row ({bytes_per_row} bytes)", budget)
+        if rows * bytes_per_row > (memory := host_memory_bytes()):
+            raise _bad("cpu_tier_bytes", f"at most the host's memory ({memory} bytes)", budget)
         return CatalogConfig(
             capacity_rows=rows, policy=self.eviction_policy, record_events=self.record_events
         )
 
-    def executor_options(self) -> dict[str, Any]:
-        """Return the backend keyword arguments for `make_executor` that this config sets."""
+    def executor_options(self, *, on_gpu: bool = True) -> dict[str, Any]:
+        """Return the backend keyword arguments for `make_executor` that this config sets.
+
+        With `on_gpu` False (the chosen executor copies host memory), raise InvalidInputError
+        naming a GPU-only key that is set: the executor would not use it.
+        """
+        if not on_gpu:
+            for spec in CONFIG_KEYS.values():
+                value = getattr(self, spec.name)
+                if spec.gpu_only and value != spec.default:
+                    raise _bad(
+                        spec.name,
+                        f"no value with the {self.executor!r} executor (the key applies to GPU "
+                        "executors only: unset it, or choose torch or cupy)",
+                        value,
+                    )
         options: dict[str, Any] = {}
         if self.staging_bytes is not None:
             options["staging_bytes"] = self.staging_bytes

@@ -135,13 +135,13 @@ def _process_ranks(
     factory = DemoShard(
         profile=profile,
         executor=config.executor,
-        executor_options=config.executor_options() if on_gpu else {},
+        executor_options=config.executor_options(on_gpu=on_gpu),
         on_gpu=on_gpu,
         blocks_per_chunk=f,
         num_rows=catalog.capacity_rows,
         seed=options.seed,
     )
-    pool = WorkerPool(factory, tp)
+    pool = WorkerPool(factory, tp, reply_timeout=config.worker_reply_timeout)
     if pool.layout_fingerprint != layout.fingerprint:
         pool.close()
         raise InvalidInputError(

@@ -7,8 +7,6 @@ sockets or queues here: the engine carries the bytes however it likes.
 from __future__ import annotations
 
 import enum
-import json
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,8 +15,11 @@ import attrs
 from kvferry.adapters.wire import decode_jobs_binary, is_binary
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.canonical_json import dumps_canonical
+from kvferry.core.checks import at_least
 from kvferry.core.codec import plan_from_dict, plan_to_dict
 from kvferry.core.errors import InvalidInputError
+from kvferry.core.json_input import JsonObject, parse_json
+from kvferry.core.plan import TransferPlan
 
 MESSAGE_VERSION = 1
 """Bumped whenever a message field changes meaning or shape (plans carry their own version)."""
@@ -37,19 +38,29 @@ class MessageKind(enum.Enum):
 class Completions:
     """The results one worker reports (the input of `OffloadSession.report`)."""
 
-    worker: int
+    worker: int = attrs.field(validator=at_least(0))
     """The reporting worker's rank, in `[0, world_size)`."""
-    results: tuple[JobResult, ...]
+    results: tuple[JobResult, ...] = attrs.field(
+        validator=attrs.validators.deep_iterable(attrs.validators.instance_of(JobResult))
+    )
     """Its finished jobs."""
 
 
-def _field(document: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    if name not in document:
-        raise InvalidInputError(field=name, expected="a value", got="nothing")
-    value = document[name]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise InvalidInputError(field=name, expected=f"a {kind}", got=value)
-    return value
+MAX_MESSAGE_BYTES = 1 << 30
+"""Largest message decoded (1 GiB: far above a step's jobs, below what exhausts a host)."""
+
+_JOB_FIELDS = ("job_id", "cpu_rows", "layout_fingerprint", "plan")
+_PLAN_FIELDS = (
+    "schema_version",
+    "request_id",
+    "direction",
+    "blocks_per_chunk",
+    "keys",
+    "gpu_block_ids",
+    "group_sizes",
+    "block_indices",
+)
+_RESULT_FIELDS = ("job_id", "success", "nbytes", "seconds", "error")
 
 
 def _encode(kind: MessageKind, fields: Mapping[str, Any]) -> bytes:
@@ -57,21 +68,36 @@ def _encode(kind: MessageKind, fields: Mapping[str, Any]) -> bytes:
     return dumps_canonical(document).encode("utf-8")
 
 
-def _decode(data: bytes, kind: MessageKind, body_name: str) -> tuple[Mapping[str, Any], list[Any]]:
+def _decode(data: bytes, kind: MessageKind, fields: Sequence[str]) -> JsonObject:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidInputError(field="message", expected="bytes", got=type(data).__name__)
-    try:
-        document = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInputError(field="message", expected="UTF-8 JSON", got=str(exc)) from exc
+    document = parse_json(data, field="message", max_bytes=MAX_MESSAGE_BYTES)
     if not isinstance(document, dict):
         raise InvalidInputError(field="message", expected="a JSON object", got=document)
     version = document.get("message_version")
-    if version != MESSAGE_VERSION:
+    if version != MESSAGE_VERSION or isinstance(version, bool):
         raise InvalidInputError(field="message_version", expected=str(MESSAGE_VERSION), got=version)
     if document.get("kind") != kind.value:
         raise InvalidInputError(field="kind", expected=repr(kind.value), got=document.get("kind"))
-    return document, _field(document, body_name, list)
+    message = JsonObject(document)
+    message.only(("message_version", "kind", *fields))
+    return message
+
+
+def _plan(entry: JsonObject) -> TransferPlan:
+    """Return the plan of a job entry, every field checked for its kind first."""
+    unnamed = entry.child("plan")
+    unnamed.only(_PLAN_FIELDS)
+    plan = unnamed.for_request(unnamed.get("request_id", str))
+    plan.get("schema_version", int)
+    plan.get("direction", str)
+    plan.get("blocks_per_chunk", int)
+    for index, key in enumerate(plan.get("keys", list)):
+        plan.check(f"keys[{index}]", key, str)
+    for name in ("gpu_block_ids", "group_sizes", "block_indices"):
+        plan.integers(name)
+    with plan.building():
+        return plan_from_dict(plan.document)
 
 
 def encode_jobs(jobs: Sequence[BoundPlan]) -> bytes:
@@ -90,27 +116,22 @@ def encode_jobs(jobs: Sequence[BoundPlan]) -> bytes:
 
 def decode_jobs(data: bytes) -> tuple[BoundPlan, ...]:
     """Return the bound plans of an `encode_jobs` message, or of the binary form
-    `kvferry.adapters.wire.encode_jobs_binary` writes (validated like any plan)."""
+    `kvferry.adapters.wire.encode_jobs_binary` writes (validated like any plan); raise
+    InvalidInputError naming where for anything else, an unknown or missing field included."""
     if isinstance(data, (bytes, bytearray, memoryview)) and is_binary(data):
         return decode_jobs_binary(data)
-    _, body = _decode(data, MessageKind.JOBS, "jobs")
     jobs = []
-    for entry in body:
-        if not isinstance(entry, dict):
-            raise InvalidInputError(field="jobs[]", expected="a JSON object", got=entry)
-        fingerprint = entry.get("layout_fingerprint")
-        if fingerprint is not None and not isinstance(fingerprint, str):
-            raise InvalidInputError(
-                field="layout_fingerprint", expected="a string or null", got=fingerprint
+    for unnamed in _decode(data, MessageKind.JOBS, ("jobs",)).children("jobs"):
+        unnamed.only(_JOB_FIELDS)
+        plan = _plan(unnamed)
+        entry = unnamed.for_request(plan.request_id)
+        job_id = entry.get("job_id", int)
+        rows = entry.integers("cpu_rows")
+        fingerprint = entry.get("layout_fingerprint", str, type(None))
+        with entry.building():
+            jobs.append(
+                BoundPlan(job_id=job_id, plan=plan, cpu_rows=rows, layout_fingerprint=fingerprint)
             )
-        jobs.append(
-            BoundPlan(
-                job_id=_field(entry, "job_id", int),
-                plan=plan_from_dict(_field(entry, "plan", dict)),
-                cpu_rows=_field(entry, "cpu_rows", list),
-                layout_fingerprint=fingerprint,
-            )
-        )
     return tuple(jobs)
 
 
@@ -130,25 +151,20 @@ def encode_completions(worker: int, results: Sequence[JobResult]) -> bytes:
 
 
 def decode_completions(data: bytes) -> Completions:
-    """Return the worker and results of an `encode_completions` message."""
-    document, body = _decode(data, MessageKind.COMPLETIONS, "results")
+    """Return the worker and results of an `encode_completions` message; raise
+    InvalidInputError naming where for anything else, an unknown or missing field included."""
+    message = _decode(data, MessageKind.COMPLETIONS, ("worker", "results"))
     results = []
-    for entry in body:
-        if not isinstance(entry, dict):
-            raise InvalidInputError(field="results[]", expected="a JSON object", got=entry)
-        error = entry.get("error")
-        if error is not None and not isinstance(error, str):
-            raise InvalidInputError(field="error", expected="a string or null", got=error)
-        seconds = float(_field(entry, "seconds", (int, float)))
-        if not math.isfinite(seconds):
-            raise InvalidInputError(field="seconds", expected="a finite number", got=seconds)
-        results.append(
-            JobResult(
-                job_id=_field(entry, "job_id", int),
-                success=_field(entry, "success", bool),
-                nbytes=_field(entry, "nbytes", int),
-                seconds=seconds,
-                error=error,
-            )
-        )
-    return Completions(worker=_field(document, "worker", int), results=tuple(results))
+    for entry in message.children("results"):
+        entry.only(_RESULT_FIELDS)
+        fields = {
+            "job_id": entry.get("job_id", int),
+            "success": entry.get("success", bool),
+            "nbytes": entry.get("nbytes", int),
+            "seconds": entry.get("seconds", int, float),
+            "error": entry.get("error", str, type(None)),
+        }
+        with entry.building():
+            results.append(JobResult(**fields))
+    with message.building():
+        return Completions(worker=message.get("worker", int), results=tuple(results))

@@ -6,17 +6,19 @@ to rows and job ids, and holds no planning rule of its own; it never copies a by
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import attrs
 
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
-from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent
+from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent, Lock, locked_method
 from kvferry.core.checks import at_least
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
-from kvferry.core.keys import OffloadKey
+from kvferry.core.keys import KeyStatus, OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
@@ -120,9 +122,66 @@ class _Request:
     state: RequestState
     num_hashes: int = 0
     """How many block hashes `state` was keyed from (unchanged: no new key to derive)."""
+    keyed_from: tuple[RequestState, int, bytes] | None = None
+    """For the state it was read from: the index and value of the hash that ends the last
+    keyed chunk of any group (-1 when no chunk is keyed), checked at every call."""
     jobs: set[int] = attrs.field(factory=set)
     fence: set[int] | None = None
     finished: bool = False
+
+
+_T = TypeVar("_T")
+
+
+def _listed(values: Iterable[_T], kind: type[_T], field: str) -> list[_T]:
+    """Return `values` as a list, or raise InvalidInputError unless it is an iterable of
+    `kind` values."""
+    try:
+        listed = list(values)
+    except TypeError:
+        raise InvalidInputError(
+            field=field, expected=f"an iterable of {kind.__name__}", got=values
+        ) from None
+    for value in listed:
+        if not isinstance(value, kind):
+            raise InvalidInputError(field=field, expected=f"{kind.__name__} values", got=value)
+    return listed
+
+
+def _check_distinct(request_id: str, keys: Sequence[OffloadKey]) -> None:
+    """Raise InvalidInputError when a key repeats among a store's keys: the request's hashes
+    repeat (chained hashes never do), and the tier would give the key one row, not two."""
+    if len(set(keys)) == len(keys):
+        return
+    seen: set[OffloadKey] = set()
+    for key in keys:
+        if key in seen:
+            raise InvalidInputError(
+                request=request_id,
+                group=key.group,
+                field="block_hashes",
+                expected="hashes that do not repeat (chained hashes never do)",
+                got=key.block_hash.hex(),
+            )
+        seen.add(key)
+
+
+class _DryRunTier:
+    """A tier that has every key, and checks the keys a store asks about: planning a store
+    against it raises what planning it for real would raise (the inputs are checked before
+    the tier is asked), then stops at once (nothing to store), reserving nothing."""
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+
+    def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
+        """Check that the keys do not repeat; return HIT for every key."""
+        _check_distinct(self._request_id, keys)
+        return [KeyStatus.HIT] * len(keys)
+
+    def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
+        """Return True (never asked: every key is present)."""
+        return True
 
 
 class OffloadSession:
@@ -132,6 +191,9 @@ class OffloadSession:
     retry), `start_load` after the engine allocated blocks, `start_stores` every step for all
     running requests, `report` whenever workers deliver results, and `finish` (or `preempt`)
     with the job ids to wait for before the request's GPU blocks are reused.
+
+    Safe for an engine's threads: every public call holds one re-entrant lock, shared with
+    the catalog (the catalog's own when it came with one), so calls never interleave.
     """
 
     def __init__(
@@ -152,6 +214,9 @@ class OffloadSession:
             )
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise InvalidInputError(field="world_size", expected="an integer >= 1", got=world_size)
+        self._lock: Lock | None = threading.RLock() if catalog.lock is None else catalog.lock
+        """Held by every public call, and shared with the catalog (one lock: no ordering)."""
+        catalog.use_lock(self._lock)
         self._config = config
         self._catalog = catalog
         self._world_size = world_size
@@ -184,30 +249,36 @@ class OffloadSession:
         """Return how many workers must report a job before it is complete."""
         return self._world_size
 
+    @locked_method
     def in_flight(self) -> frozenset[int]:
         """Return the ids of the jobs not yet reported by every worker."""
         return frozenset(self._jobs)
 
+    @locked_method
     def jobs_of(self, request_id: str) -> frozenset[int]:
         """Return the ids of `request_id`'s jobs in flight (empty for an unknown request)."""
         request = self._requests.get(request_id)
         return frozenset(request.jobs) if request else frozenset()
 
+    @locked_method
     def request_state(self, request_id: str) -> RequestState | None:
         """Return the planning state of `request_id`, or None when the session has none."""
         request = self._requests.get(request_id)
         return request.state if request else None
 
+    @locked_method
     def counters(self) -> CatalogCounters:
         """Return the catalog's counters."""
         return self._catalog.counters()
 
+    @locked_method
     def drain_events(self) -> tuple[CatalogEvent, ...]:
         """Return and forget the catalog's stored/removed events (see CatalogConfig)."""
         return self._catalog.drain_events()
 
     # -- the calls of a request's life --------------------------------------------------------
 
+    @locked_method
     def lookup(
         self,
         request_id: str,
@@ -251,6 +322,7 @@ class OffloadSession:
                 request.state, request.num_hashes = before
             raise
 
+    @locked_method
     def start_load(
         self,
         request_id: str,
@@ -293,25 +365,38 @@ class OffloadSession:
             job_id=job.job_id, plan=plan, cpu_rows=rows, layout_fingerprint=self._fingerprint
         )
 
+    @locked_method
     def start_stores(self, requests: Iterable[RunningRequest]) -> StoreStep:
         """Return this step's store jobs for the running `requests` (rows reserved, keys
         writing), and the requests that found no room.
 
-        Call it every step after scheduling, for every running request. When a request is
-        refused (finished, or inputs the planner rejects), the error is raised after the
-        step's reservations and cursor moves are undone (keys evicted for them stay evicted).
+        Call it every step after scheduling, for every running request. A refused step
+        (a request finished, listed twice, with hashes that repeat, or inputs the planner
+        rejects) raises and changes nothing: every request's inputs are checked before the
+        first row is reserved, so no key is evicted, no row left writing, no job id used.
         """
+        running_list = _listed(requests, RunningRequest, "requests")
         jobs: list[BoundPlan] = []
         no_room: list[str] = []
         undo: list[tuple[_Request, RequestState, int]] = []
         created: list[str] = []
+        first_job = self._next_job
         try:
-            running_list = list(requests)
             known: list[_Request] = []
+            listed: set[str] = set()
             for running in running_list:
-                request = self._requests.get(running.request_id)
+                rid = running.request_id
+                if rid in listed:
+                    raise InvalidInputError(
+                        request=rid,
+                        field="requests",
+                        expected="each running request once a step",
+                        got=f"{rid!r} twice",
+                    )
+                listed.add(rid)
+                request = self._requests.get(rid)
                 if request is None:
-                    created.append(running.request_id)
+                    created.append(rid)
                 else:
                     undo.append((request, request.state, request.num_hashes))
                 known.append(self._known_running(running))
@@ -322,12 +407,16 @@ class OffloadSession:
                 num_scheduled_tokens=[r.num_scheduled_tokens for r in running_list],
                 num_tokens=[r.num_tokens for r in running_list],
             )
-            for index in due.tolist():
+            due_list = due.tolist()
+            for index in due_list[1:]:  # the first is planned before anything is reserved
+                self._check_store(running_list[index], known[index])
+            for index in due_list:
                 self._store_one(running_list[index], known[index], jobs, no_room)
         except BaseException:
             for job in jobs:
                 self._catalog.complete_store(self._jobs[job.job_id].keys, success=False)
                 self._forget_job(job.job_id)
+            self._next_job = first_job
             for request, state, num_hashes in reversed(undo):
                 request.state, request.num_hashes = state, num_hashes
             for rid in created:
@@ -347,6 +436,19 @@ class OffloadSession:
                 request.state = decision.state
         self._last_retries.clear()
         return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room), released=tuple(released))
+
+    def _check_store(self, running: RunningRequest, request: _Request) -> None:
+        """Raise what planning `running`'s store would raise, reserving nothing (a dry run of
+        `plan_store` against a tier that has every key: its inputs are checked, then it stops)."""
+        plan_store(
+            self._config,
+            request.state,
+            running.blocks,
+            num_computed_tokens=running.num_computed_tokens,
+            num_scheduled_tokens=running.num_scheduled_tokens,
+            num_tokens=running.num_tokens,
+            tier=_DryRunTier(running.request_id),
+        )
 
     def _known_running(self, running: RunningRequest) -> _Request:
         """Return the session's record of a running request, created or with its keys
@@ -409,10 +511,13 @@ class OffloadSession:
             )
         rid = plan.request_id
         asked = decision.reserve_keys
+        _check_distinct(rid, asked)
         reservation = self._catalog.reserve(
             asked, positions=self._positions(request.state, asked), request=rid
         )
         if reservation is None or reservation.keys != plan.keys:
+            if reservation is not None:  # never with distinct keys; give the rows back
+                self._catalog.complete_store(reservation.keys, success=False)
             raise PlanInvariantError(
                 request=rid,
                 field="keys",
@@ -430,6 +535,7 @@ class OffloadSession:
             layout_fingerprint=self._fingerprint,
         )
 
+    @locked_method
     def report(self, worker: int, results: Iterable[JobResult]) -> CompletionReport:
         """Record `worker`'s results; return what completed (every worker reported) and what
         follows from it.
@@ -438,8 +544,9 @@ class OffloadSession:
         ready, or forgets them when it failed; a completed load unpins its keys, and a failed
         one names the tokens its request must recompute (unless the request was finished or
         preempted since). Results of jobs from before a `reset` are ignored. Raise
-        InvalidInputError, changing nothing, for a worker out of range, a job never issued, or
-        a result a worker already gave.
+        InvalidInputError, changing nothing, for a worker out of range, results that are not
+        JobResults, a job never issued (ids start at 1: 0 and below never are), or a result a
+        worker already gave.
         """
         if isinstance(worker, bool) or not isinstance(worker, int):
             raise InvalidInputError(field="worker", expected="an integer", got=worker)
@@ -447,21 +554,20 @@ class OffloadSession:
             raise InvalidInputError(
                 field="worker", expected=f"a worker in [0, {self._world_size})", got=worker
             )
-        results = list(results)
+        results = _listed(results, JobResult, "results")
         live = []
         seen: set[int] = set()
         for result in results:
-            if not isinstance(result, JobResult):
-                raise InvalidInputError(field="results", expected="JobResult values", got=result)
             job_id = result.job_id
-            if job_id < self._first_live_job:
+            if 1 <= job_id < self._first_live_job:  # issued before a reset: abandoned
                 continue
             job = self._jobs.get(job_id)
             if job is None or worker in job.reported or job_id in seen:
+                issued = 1 <= job_id < self._next_job  # job ids start at 1
                 raise InvalidInputError(
                     field="job_id",
                     expected=f"a job in flight not yet reported by worker {worker}",
-                    got=job_id if job_id < self._next_job else f"{job_id} (never issued)",
+                    got=job_id if issued else f"{job_id} (never issued)",
                 )
             seen.add(job_id)
             live.append((job, result.success))
@@ -487,6 +593,7 @@ class OffloadSession:
             released=tuple(released),
         )
 
+    @locked_method
     def finish(self, request_id: str, *, last: RunningRequest | None = None) -> frozenset[int]:
         """Return the jobs that must complete before the finished (or aborted) request's GPU
         blocks may be reused: its stores read them, its loads write them. Empty: reuse now.
@@ -540,6 +647,7 @@ class OffloadSession:
             self._last_stores.append(self._bind_store(request, decision))
         request.state = decision.state
 
+    @locked_method
     def preempt(self, request_id: str) -> frozenset[int]:
         """Return the jobs that must complete before the preempted request's GPU blocks may be
         reused (as for `finish`); the request stays known.
@@ -554,6 +662,7 @@ class OffloadSession:
         )
         return self._fence(request)
 
+    @locked_method
     def reset(self) -> frozenset[int]:
         """Forget every request, job and key (the catalog is emptied); return the jobs that were
         in flight, whose results will be ignored. Wait for them on the workers before reusing
@@ -598,7 +707,44 @@ class OffloadSession:
         if len(block_hashes) != request.num_hashes:
             request.state = extend_keys(self._config, request.state, block_hashes)
             request.num_hashes = len(block_hashes)
+        else:
+            self._check_keyed_from(request, block_hashes)
         return request
+
+    def _check_keyed_from(self, request: _Request, block_hashes: Sequence[bytes]) -> None:
+        """Raise InvalidInputError unless `block_hashes` (as long as before) still holds the
+        hash that ends the request's last keyed chunk. Hashes are chained, so one hash vouches
+        for the whole keyed prefix: a live request id reused for another prompt of the same
+        length, or a list rewritten in place, is refused before its pages are stored under the
+        other prompt's keys."""
+        keyed = request.keyed_from
+        if keyed is None or keyed[0] is not request.state:
+            index, last = -1, b""
+            for group, keys in enumerate(request.state.keys):
+                end = len(keys) * self._config.hashes_per_chunk(group) - 1
+                if keys and end > index:
+                    index, last = end, keys[-1].block_hash
+            keyed = request.keyed_from = (request.state, index, last)
+        _, index, last = keyed
+        if type(block_hashes) not in (list, tuple) and (
+            not isinstance(block_hashes, Sequence) or isinstance(block_hashes, (str, bytes))
+        ):
+            raise InvalidInputError(
+                request=request.state.request_id,
+                field="block_hashes",
+                expected="a sequence of bytes (one hash per full hash block)",
+                got=block_hashes,
+            )
+        if index >= 0 and block_hashes[index] != last:
+            raise InvalidInputError(
+                request=request.state.request_id,
+                field="block_hashes",
+                expected=(
+                    f"the hashes the request was keyed with (hash {index} = {last.hex()}); "
+                    "a request id reused for another prompt is refused"
+                ),
+                got=block_hashes[index],
+            )
 
     def _live(self, request_id: str, call: str) -> _Request:
         request = self._requests.get(request_id)

@@ -24,7 +24,7 @@ from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import CatalogEvent
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
-from kvferry.core.errors import InvalidInputError, PlanInvariantError
+from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
 from kvferry.core.kinds import KIND_RULES, PARAMETER_DEFAULTS
 from kvferry.core.plan import Direction
 from kvferry.executors.base import Executor
@@ -614,7 +614,9 @@ class KvferryConnectorWorker:
         self._stores = [job for job in jobs if job.plan.direction is Direction.STORE]
 
     def start_load_kv(self) -> None:
-        """Submit the step's loads (before the forward pass; they are asynchronous)."""
+        """Submit the step's loads (before the forward pass; they are asynchronous). A job the
+        executor refuses is reported failed (its error names this rank and why), never left
+        in flight: other ranks may have run it."""
         self._submit(self._loads)
         self._loads = []
 
@@ -639,7 +641,14 @@ class KvferryConnectorWorker:
 
     def _submit(self, jobs: Sequence[BoundPlan]) -> None:
         for job in jobs:
-            self._executor.submit(job)
+            try:
+                self._executor.submit(job)
+            except KvferryError as error:  # refused here, maybe run on other ranks: a failed job
+                reason = f"refused by rank {self._rank}: {type(error).__name__}: {error}"
+                self._results.append(
+                    JobResult(job_id=job.job_id, success=False, nbytes=0, seconds=0.0, error=reason)
+                )
+                continue
             self._in_flight.add(job.job_id)
 
     def _collect(self, results: Iterable[JobResult]) -> None:

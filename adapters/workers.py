@@ -6,13 +6,17 @@ workers never plan: they run the jobs the scheduler side sends and report what e
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
+import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from multiprocessing import resource_tracker
 from typing import Any, NoReturn, Protocol
 
 import attrs
@@ -46,11 +50,21 @@ class WorkerError(KvferryError):
 
 
 class WorkerCrashedError(WorkerError):
-    """A worker process ended without being asked to (or its pipe broke)."""
+    """A worker process ended without being asked to (or its pipe broke); `error` is what it
+    said of why, when it could say (an error no command caught), with its traceback."""
 
-    def __init__(self, rank: int, exitcode: int | None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        exitcode: int | None,
+        error: str | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:
         self.exitcode = exitcode
-        super().__init__(rank, f"process ended unexpectedly (exit code {exitcode})")
+        self.error = error
+        self.remote_traceback = remote_traceback
+        why = f": {error}" if error else ""
+        super().__init__(rank, f"process ended unexpectedly (exit code {exitcode}){why}")
 
 
 class WorkerTimeoutError(WorkerError):
@@ -119,47 +133,80 @@ _CALL = "call"
 _CLOSE = "close"
 _OK = "ok"
 _ERROR = "error"
+_FATAL = "fatal"
+"""A worker's last message: the error that ends it, sent unasked before it exits."""
 
 
-def _error_reply(error: BaseException) -> tuple[str, str, str, str]:
+def _error_reply(error: BaseException, tag: str = _ERROR) -> tuple[str, str, str, str]:
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    return (_ERROR, type(error).__name__, str(error), text)
+    return (tag, type(error).__name__, str(error), text)
 
 
-def _serve(conn: multiprocessing.connection.Connection, shard: WorkerShard, rank: int) -> None:
-    connector = KvferryConnectorWorker(shard.executor, rank=rank)
+_GONE = (EOFError, OSError)
+"""What the pipe raises once the scheduler side is gone (EOF, a broken pipe, a reset)."""
+
+
+def _answer(
+    connector: KvferryConnectorWorker,
+    handlers: Mapping[str, Handler],
+    message: tuple[Any, ...],
+) -> tuple[Any, ...]:
+    """Return the reply to one command (an error reply when the command raised)."""
+    tag = message[0]
+    try:
+        if tag == _STEP:
+            _, jobs, flush = message
+            connector.bind_connector_metadata(ConnectorMetadata(jobs=jobs, flush=flush))
+            connector.start_load_kv()
+            connector.wait_for_save()
+            return (_OK, connector.get_finished())
+        if tag == _CALL:
+            _, name, payload = message
+            handler = handlers.get(name)
+            if handler is None:
+                raise InvalidInputError(
+                    field="command", expected="one of " + ", ".join(sorted(handlers)), got=name
+                )
+            return (_OK, handler(payload))
+        raise InvalidInputError(field="message", expected="a known command", got=tag)
+    except Exception as error:
+        return _error_reply(error)
+
+
+def _reply(conn: multiprocessing.connection.Connection, reply: tuple[Any, ...]) -> bool:
+    """Send `reply` (or the error of an answer that cannot be pickled); return False when the
+    scheduler side is gone."""
+    try:
+        try:
+            conn.send(reply)
+        except _GONE:
+            raise
+        except Exception as error:  # pickling fails before a byte is written: the pipe is fine
+            conn.send(_error_reply(error))
+    except _GONE:
+        return False
+    return True
+
+
+def _serve(
+    conn: multiprocessing.connection.Connection,
+    connector: KvferryConnectorWorker,
+    handlers: Mapping[str, Handler],
+) -> None:
+    """Answer commands until close (drain, report what was left) or until the scheduler side
+    is gone; the executor is closed either way."""
     try:
         while True:
             try:
                 message = conn.recv()
-            except EOFError:  # the scheduler side is gone: drain, and leave
+            except _GONE:  # the scheduler side is gone: drain, and leave quietly
                 return
-            tag = message[0]
-            try:
-                if tag == _STEP:
-                    _, jobs, flush = message
-                    connector.bind_connector_metadata(ConnectorMetadata(jobs=jobs, flush=flush))
-                    connector.start_load_kv()
-                    connector.wait_for_save()
-                    reply: tuple[Any, ...] = (_OK, connector.get_finished())
-                elif tag == _CALL:
-                    _, name, payload = message
-                    handler = shard.handlers.get(name)
-                    if handler is None:
-                        raise InvalidInputError(
-                            field="command",
-                            expected="one of " + ", ".join(sorted(shard.handlers)),
-                            got=name,
-                        )
-                    reply = (_OK, handler(payload))
-                elif tag == _CLOSE:
+            if message[0] == _CLOSE:
+                with contextlib.suppress(*_GONE):
                     conn.send((_OK, connector.shutdown()))
-                    return
-                else:
-                    raise InvalidInputError(field="message", expected="a known command", got=tag)
-            except Exception as error:
-                reply = _error_reply(error)
-            conn.send(reply)
+                return
+            if not _reply(conn, _answer(connector, handlers, message)):
+                return
     finally:
         connector.executor.close()
 
@@ -173,8 +220,11 @@ def worker_main(
     """Run one rank: build its shard, say so, then answer the scheduler side's commands until
     it says close (drain the executor, report what was left) or hangs up.
 
-    This is the target of the spawned process; SIGINT is ignored here, so that a Ctrl-C reaches
-    the scheduler side, which then shuts the workers down in order.
+    This is the target of the spawned process; SIGINT is ignored here (and blocked from the
+    start, see `_sigint_blocked`), so that a Ctrl-C reaches the scheduler side only, which then
+    ends the workers. When the scheduler side is gone the worker leaves quietly; an error no
+    command caught is sent to it (the crash it sees names it) and ends the worker with exit
+    code 1, without a traceback on stderr.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -182,6 +232,9 @@ def worker_main(
         if not isinstance(shard, WorkerShard):
             raise InvalidInputError(field="factory", expected="a WorkerShard", got=shard)
         executor = shard.executor
+        if not isinstance(executor, Executor):
+            raise InvalidInputError(field="executor", expected="an Executor", got=executor)
+        connector = KvferryConnectorWorker(executor, rank=rank)
         info = WorkerInfo(
             rank=rank,
             pid=os.getpid(),
@@ -191,17 +244,43 @@ def worker_main(
             num_rows=executor.host_tier.num_rows,
         )
     except Exception as error:
-        conn.send(_error_reply(error))
+        with contextlib.suppress(*_GONE):
+            conn.send(_error_reply(error))
         conn.close()
         return
-    conn.send((_OK, info))
     try:
-        _serve(conn, shard, rank)
+        conn.send((_OK, info))
+        _serve(conn, connector, shard.handlers)
+    except _GONE:
+        return
+    except BaseException as error:
+        with contextlib.suppress(*_GONE):
+            conn.send(_error_reply(error, _FATAL))
+        sys.exit(1)  # multiprocessing ends the process quietly on SystemExit
     finally:
         conn.close()
 
 
 # -- the scheduler side ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread while processes are started: a spawned process inherits the
+    mask, so a Ctrl-C during its start-up (imports, before `worker_main` ignores SIGINT) never
+    prints a KeyboardInterrupt traceback there. A SIGINT that came meanwhile is delivered here
+    when the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to block
+        yield
+        return
+    # Spawning starts multiprocessing's resource tracker once, and unblocks SIGINT after doing
+    # so: have it started before blocking, or the first worker would start unblocked.
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @attrs.define
@@ -235,6 +314,8 @@ class WorkerPool:
                 raise InvalidInputError(field=name, expected="seconds > 0", got=value)
         self._timeout = float(reply_timeout)
         self._broken: WorkerError | None = None
+        self._interrupted = False
+        """A command was cut short (by Ctrl-C, say): the pipes are out of step."""
         self._closed = False
         context = multiprocessing.get_context("spawn")
         self._ranks: list[_Rank] = []
@@ -247,7 +328,8 @@ class WorkerPool:
                     name=f"kvferry-worker-{rank}",
                     daemon=True,
                 )
-                process.start()
+                with _sigint_blocked():
+                    process.start()
                 theirs.close()  # only the child holds its end: its death reads as EOF here
                 self._ranks.append(_Rank(rank=rank, process=process, conn=ours))
             infos = self._gather("start", float(start_timeout))
@@ -319,17 +401,19 @@ class WorkerPool:
                 field="payloads", expected=f"one per rank ({self.world_size})", got=len(payloads)
             )
         self._check_usable()
-        for entry, payload in zip(self._ranks, payloads, strict=True):
-            self._send(entry, (_CALL, name, payload))
-        return tuple(self._gather(name, self._timeout))
+        with self._command():
+            for entry, payload in zip(self._ranks, payloads, strict=True):
+                self._send(entry, (_CALL, name, payload))
+            return tuple(self._gather(name, self._timeout))
 
     def close(self) -> tuple[Completions, ...]:
         """Drain every rank (each waits for its jobs and closes its executor) and end the
         processes; return, per rank, the jobs that were still unreported (idempotent: a second
-        call returns nothing). A broken pool ends its processes and returns nothing."""
+        call returns nothing). A broken pool, or one whose last command was interrupted, ends
+        its processes and returns nothing."""
         if self._closed:
             return ()
-        if self._broken is not None:
+        if self._broken is not None or self._interrupted:
             self.terminate()
             return ()
         try:
@@ -351,8 +435,9 @@ class WorkerPool:
             entry.conn.close()
             if entry.process.is_alive():
                 entry.process.terminate()
+        deadline = time.monotonic() + 1.0  # SIGTERM ends a worker at once unless it is stopped
         for entry in self._ranks:
-            entry.process.join(5.0)
+            entry.process.join(max(deadline - time.monotonic(), 0.0))
             if entry.process.is_alive():
                 entry.process.kill()
                 entry.process.join()
@@ -373,12 +458,32 @@ class WorkerPool:
             raise self._broken
         if self._closed:
             raise InvalidInputError(field="pool", expected="an open worker pool", got="closed")
+        if self._interrupted:
+            raise InvalidInputError(
+                field="pool",
+                expected="a pool whose last command completed (close it)",
+                got="a command was interrupted",
+            )
+
+    @contextlib.contextmanager
+    def _command(self) -> Iterator[None]:
+        """Mark the pool out of step when a command is cut short by anything but a worker's
+        own error (a KeyboardInterrupt between sending and gathering, say)."""
+        try:
+            yield
+        except WorkerError:
+            raise
+        except BaseException:
+            self._interrupted = True
+            raise
 
     def _step(self, jobs: bytes, flush: tuple[int, ...]) -> tuple[Completions, ...]:
         self._check_usable()
-        for entry in self._ranks:
-            self._send(entry, (_STEP, jobs, flush))
-        return tuple(self._completions(self._gather("jobs", self._timeout)))
+        with self._command():
+            for entry in self._ranks:
+                self._send(entry, (_STEP, jobs, flush))
+            replies = self._gather("jobs", self._timeout)
+        return tuple(self._completions(replies))
 
     def _completions(self, replies: list[Any]) -> list[Completions]:
         out = []
@@ -396,13 +501,29 @@ class WorkerPool:
     def _send(self, entry: _Rank, message: tuple[Any, ...]) -> None:
         try:
             entry.conn.send(message)
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-            entry.process.join(1.0)
-            self._fail(WorkerCrashedError(entry.rank, entry.process.exitcode))
+        except _GONE:
+            self._crashed(entry)
 
     def _fail(self, error: WorkerError) -> NoReturn:
         self._broken = error
         raise error
+
+    def _crashed(self, entry: _Rank, last: tuple[Any, ...] | None = None) -> NoReturn:
+        """Raise WorkerCrashedError for a rank that ended, with the error it sent as its last
+        message (`last`, or one still waiting in its pipe) when it sent one."""
+        if last is None:
+            with contextlib.suppress(*_GONE, pickle.UnpicklingError):
+                if entry.conn.poll(0):
+                    last = entry.conn.recv()
+        entry.process.join(1.0)
+        if last is not None and last[0] == _FATAL:
+            _, error_type, message, remote = last
+            self._fail(
+                WorkerCrashedError(
+                    entry.rank, entry.process.exitcode, f"{error_type}: {message}", remote
+                )
+            )
+        self._fail(WorkerCrashedError(entry.rank, entry.process.exitcode))
 
     def _gather(self, command: str, timeout: float) -> list[Any]:
         """Receive one answer from every rank; raise the lowest rank's error once all answered
@@ -422,14 +543,14 @@ class WorkerPool:
                 try:
                     if not entry.conn.poll():
                         if not entry.process.is_alive():
-                            entry.process.join(1.0)
-                            self._fail(WorkerCrashedError(rank, entry.process.exitcode))
+                            self._crashed(entry)
                         continue
                     reply = entry.conn.recv()
-                except (EOFError, OSError):
-                    entry.process.join(1.0)
-                    self._fail(WorkerCrashedError(rank, entry.process.exitcode))
+                except _GONE:
+                    self._crashed(entry)
                 del pending[rank]
+                if reply[0] == _FATAL:
+                    self._crashed(entry, reply)
                 if reply[0] == _OK:
                     answers[rank] = reply[1]
                 else:

@@ -7,8 +7,11 @@ reads no clock and draws no random number (recency is the order of operations).
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -131,6 +134,35 @@ class Reservation:
             )
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+Lock = AbstractContextManager[Any]
+"""A re-entrant lock (a `threading.RLock`); the core takes it, it never makes one."""
+
+
+class Guarded(Protocol):
+    """An object whose public calls hold its `_lock` when it has one (`locked_method`)."""
+
+    _lock: Lock | None
+
+
+_G = TypeVar("_G", bound=Guarded)
+
+
+def locked_method(method: Callable[Concatenate[_G, _P], _R]) -> Callable[Concatenate[_G, _P], _R]:
+    """Return `method` holding its object's lock for the whole call (none: a plain call)."""
+
+    def call(self: _G, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        lock = self._lock
+        if lock is None:
+            return method(self, *args, **kwargs)
+        with lock:
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(call, method)  # its name and docstring
+    return call
+
+
 def _by_group(keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
     grouped: dict[int, list[OffloadKey]] = {}
     for key in keys:
@@ -143,11 +175,16 @@ class Catalog:
 
     It is a `StoreTierView` (and so a `KeyStatusView`): the planner may read it directly.
     Every changing method either does all it says or raises and changes nothing.
+
+    Given a `lock` (a re-entrant lock such as `threading.RLock()`), every public call holds it,
+    so threads may share the catalog; without one it is for one thread. An `OffloadSession`
+    gives the catalog its own lock when it has none.
     """
 
-    def __init__(self, config: CatalogConfig) -> None:
+    def __init__(self, config: CatalogConfig, *, lock: Lock | None = None) -> None:
         if not isinstance(config, CatalogConfig):
             raise InvalidInputError(field="config", expected="a CatalogConfig", got=config)
+        self._lock = lock
         self._config = config
         self._policy = make_policy(config.policy, config.capacity_rows)
         self._status: dict[OffloadKey, KeyStatus] = {}
@@ -169,22 +206,39 @@ class Catalog:
         return self._config
 
     @property
+    def lock(self) -> Lock | None:
+        """Return the lock every public call holds, or None (one thread only)."""
+        return self._lock
+
+    def use_lock(self, lock: Lock) -> None:
+        """Make every public call hold `lock` (re-entrant) from now on; call it before another
+        thread uses the catalog. Raise InvalidInputError when the catalog has another lock."""
+        if self._lock is not None and self._lock is not lock:
+            raise InvalidInputError(
+                field="lock", expected="the catalog's own lock (it has one)", got=lock
+            )
+        self._lock = lock
+
+    @property
     def capacity_rows(self) -> int:
         """Return the number of rows in the tier."""
         return self._config.capacity_rows
 
     @property
+    @locked_method
     def rows_used(self) -> int:
         """Return the number of rows held by writing and ready keys."""
         return len(self._rows)
 
     @property
+    @locked_method
     def free_rows(self) -> int:
         """Return the number of rows no key holds."""
         return self._config.capacity_rows - len(self._rows)
 
     # -- reading -------------------------------------------------------------------------------
 
+    @locked_method
     def statuses(
         self, keys: Sequence[OffloadKey], *, pinned_as_pending: bool = False
     ) -> list[KeyStatus]:
@@ -196,6 +250,7 @@ class Catalog:
         pins = self._pins
         return [_PENDING if key in pins else get(key, _MISS) for key in keys]
 
+    @locked_method
     def entry(self, key: OffloadKey) -> CatalogEntry | None:
         """Return what the catalog holds for `key`, or None when the key is absent."""
         status = self._status.get(key)
@@ -207,14 +262,17 @@ class Catalog:
             pins=self._pins.get(key, 0),
         )
 
+    @locked_method
     def snapshot(self) -> dict[OffloadKey, CatalogEntry]:
         """Return every present key's entry (a copy; for checks and debugging, not hot paths)."""
         return {key: entry for key in self._status if (entry := self.entry(key)) is not None}
 
+    @locked_method
     def is_pinned(self, key: OffloadKey) -> bool:
         """Return True when a load is reading `key`."""
         return key in self._pins
 
+    @locked_method
     def counters(self) -> CatalogCounters:
         """Return the running totals and the rows in use now."""
         return CatalogCounters(
@@ -253,6 +311,7 @@ class Catalog:
             raise _NoRoomError
         return new, victims
 
+    @locked_method
     def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
         """Return True when every key of `keys` that is absent can get a row, evicting only
         ready, unpinned keys outside `keys` (what `reserve` would do; nothing changes)."""
@@ -264,6 +323,7 @@ class Catalog:
             return False
         return True
 
+    @locked_method
     def reserve(
         self,
         keys: Sequence[OffloadKey],
@@ -278,7 +338,9 @@ class Catalog:
         When that cannot make enough room, nothing changes and the answer is None. Otherwise the
         ready present keys count as used, and `request` as active, before victims are chosen.
         `positions[i]` is the token index where the chunk of `keys[i]` ends (the tail-first
-        policy evicts later positions first); `request` is the request storing them.
+        policy evicts later positions first); `request` is the request storing them. Raise
+        InvalidInputError, changing nothing, for a key given twice or positions that do not
+        match the keys.
         """
         if positions is not None and len(positions) != len(keys):
             raise InvalidInputError(
@@ -286,6 +348,13 @@ class Catalog:
                 field="positions",
                 expected=f"one position per key ({len(keys)})",
                 got=len(positions),
+            )
+        if len(set(keys)) != len(keys):  # one row would stand for two chunks: refuse it
+            raise InvalidInputError(
+                request=request,
+                field="keys",
+                expected="each key once",
+                got=[str(key) for key in keys],
             )
         try:
             new, victims = self._victims(keys)
@@ -310,6 +379,7 @@ class Catalog:
         self._misses += len(new)
         return Reservation(keys=tuple(new), rows=rows, evicted=tuple(victims))
 
+    @locked_method
     def complete_store(self, keys: Sequence[OffloadKey], *, success: bool) -> None:
         """Finish the store of `keys` (all writing): success makes them ready, failure forgets
         them and frees their rows. Raise PlanInvariantError, changing nothing, when a key is
@@ -340,6 +410,7 @@ class Catalog:
 
     # -- loads ---------------------------------------------------------------------------------
 
+    @locked_method
     def pin(self, keys: Sequence[OffloadKey], *, request: str | None = None) -> IdArray:
         """Pin ready `keys` for a load by `request`; return their rows in the same order.
 
@@ -364,6 +435,7 @@ class Catalog:
         rows = self._rows
         return frozen_ids(np.fromiter((rows[key] for key in keys), dtype=np.int64, count=len(keys)))
 
+    @locked_method
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         """Release one pin of each key of `keys` (a load ended). Raise PlanInvariantError,
         changing nothing, when a key is pinned fewer times than it appears in `keys`."""
@@ -388,6 +460,7 @@ class Catalog:
         if self._doomed:
             self._drop([key for key in wanted if key in self._doomed and key not in pins])
 
+    @locked_method
     def discard(self, keys: Sequence[OffloadKey]) -> None:
         """Drop ready `keys` from the tier (their data is suspect: a load of them failed).
 
@@ -410,11 +483,13 @@ class Catalog:
 
     # -- events and reset ----------------------------------------------------------------------
 
+    @locked_method
     def drain_events(self) -> tuple[CatalogEvent, ...]:
         """Return the events recorded since the last drain (oldest first) and forget them."""
         events, self._events = tuple(self._events), []
         return events
 
+    @locked_method
     def reset(self) -> None:
         """Forget every key, row and pin (counters keep their totals); ready keys are
         reported as removed."""

@@ -72,11 +72,12 @@ def plan_to_dict(plan: TransferPlan) -> dict[str, Any]:
 def plan_from_dict(document: Mapping[str, Any]) -> TransferPlan:
     """Return the plan a `plan_to_dict` dictionary describes (validated like any plan)."""
     check_schema_version(document)
+    direction_name = _require(document, "direction", str)  # raises before the try: no KeyError
     try:
-        direction = Direction(_require(document, "direction", str))
+        direction = Direction(direction_name)
     except ValueError as exc:
         raise InvalidInputError(
-            field="direction", expected="'load' or 'store'", got=document["direction"]
+            field="direction", expected="'load' or 'store'", got=direction_name
         ) from exc
     return TransferPlan(
         request_id=_require(document, "request_id", str),

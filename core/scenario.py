@@ -23,6 +23,7 @@ from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import KeyStatus, OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
+from kvferry.core.scenario_schema import check_scenario
 from kvferry.core.state import RequestState, new_request_state
 from kvferry.core.store import plan_store
 
@@ -87,7 +88,9 @@ def _blocks(config: OffloadConfig, step: Mapping[str, Any]) -> list[GroupBlocks]
 
 
 def run_scenario(document: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the results document of a scenario: one entry per step, plans included."""
+    """Return the results document of a scenario: one entry per step, plans included; raise
+    InvalidInputError naming the field's path for a malformed one (`check_scenario`)."""
+    check_scenario(document)
     check_schema_version(document)
     config = config_from_dict(document["config"])
     request = document["request"]

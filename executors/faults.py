@@ -22,6 +22,7 @@ from kvferry.core.layout import KVLayout
 from kvferry.core.plan import TransferPlan, chunks_spanned
 from kvferry.executors.base import Executor, checked_job_ids
 from kvferry.executors.host import HostTier
+from kvferry.executors.tensors import RegisteredTensor
 
 
 class FaultPoint(enum.Enum):
@@ -90,7 +91,8 @@ class _Pending:
 
 
 class FaultyExecutor:
-    """Wraps any `Executor` and fails the jobs a chooser (or `inject`) names.
+    """Wraps any `Executor` and fails the jobs a chooser (or `inject`) names; it is itself an
+    `Executor` (registered as one), so it runs wherever one does, worker processes included.
 
     Plans are checked as the wrapped executor would check them (a bad plan still raises and
     queues nothing). A job failing `BEFORE_START` never reaches the wrapped executor; one failing
@@ -113,6 +115,8 @@ class FaultyExecutor:
             self._choose = lambda bound: table.get(bound.job_id)
         else:
             self._choose = choose
+        self.name = f"faulty {inner.name}"
+        """The wrapped executor's name, marked."""
         self._injected: dict[int, FaultPoint] = {}
         self._pending: dict[int, _Pending] = {}
         """Jobs submitted and not yet reported, in submission order."""
@@ -141,6 +145,11 @@ class FaultyExecutor:
     def device(self) -> str:
         """Return where the wrapped executor's tensors live."""
         return self._inner.device
+
+    @property
+    def tensors(self) -> tuple[tuple[RegisteredTensor, ...], ...]:
+        """Return the wrapped executor's registered tensors."""
+        return self._inner.tensors
 
     # -- injection ------------------------------------------------------------------------------
 
@@ -234,3 +243,8 @@ class FaultyExecutor:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# It keeps the whole executor contract, so it is one wherever an Executor is asked for (the
+# vLLM worker connector, a tensor-parallel worker process).
+Executor.register(FaultyExecutor)

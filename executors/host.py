@@ -6,6 +6,8 @@ Owns the allocation and its (un)registration only; it never decides what goes in
 from __future__ import annotations
 
 import mmap
+import os
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -16,6 +18,23 @@ from kvferry.core.layout import KVLayout
 
 PIECE_LIMIT = 64 << 30
 """Largest piece registered with the driver in one call (large registrations fail on some)."""
+
+
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory_bytes() -> int:
+    """Return the most memory this process may use for a CPU tier: the host's physical
+    memory, or the memory limit of its cgroup (container) when that is lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for name in _CGROUP_LIMITS:
+        try:
+            text = Path(name).read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if text.isascii() and text.isdigit():  # "max": no limit
+            limit = min(limit, int(text))
+    return limit
 
 
 class HostRegistrar(Protocol):
@@ -66,8 +85,23 @@ class HostTier:
         self.num_rows = num_rows
         self.row_bytes = row_bytes
         self.nbytes = num_rows * row_bytes
+        asked = f"{num_rows} rows of {row_bytes} bytes = {self.nbytes} bytes"
+        if self.nbytes > (memory := host_memory_bytes()):  # checked before allocating anything
+            raise InvalidInputError(
+                field="num_rows",
+                expected=f"a CPU tier of at most the host's memory ({memory} bytes; lower "
+                "cpu_tier_bytes)",
+                got=asked,
+            )
         self.pieces = split_pieces(self.nbytes, row_bytes, piece_limit)
-        self._mmap = mmap.mmap(-1, self.nbytes)
+        try:
+            self._mmap = mmap.mmap(-1, self.nbytes)
+        except OSError as error:
+            raise InvalidInputError(
+                field="num_rows",
+                expected="a CPU tier the host can allocate now (lower cpu_tier_bytes)",
+                got=f"{asked}: {error.strerror or error}",
+            ) from None
         self.array: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
         """The whole tier as a writable uint8 array (no copy)."""
         self.address: int = int(self.array.ctypes.data)

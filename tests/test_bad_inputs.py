@@ -6,13 +6,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 import numpy as np
 import pytest
-from offload_rig import Rig, chain
+from offload_rig import chain
+from session_world import CONFIG, FULL, PROMPT, World, make_world, rebound
 
 from kvferry.adapters import messages
 from kvferry.adapters.session import OffloadSession, RunningRequest
@@ -26,96 +28,18 @@ from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, de
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import lookup
 from kvferry.core.plan import Direction, TransferPlan
-from kvferry.core.state import RequestState, extend_keys, new_request_state
+from kvferry.core.scenario_schema import parse_scenario
+from kvferry.core.state import extend_keys, new_request_state
 from kvferry.core.store import plan_store
 from kvferry.executors import KVTensor, make_executor
 from kvferry.executors.host import HostTier
 
-H = 4  # hash block size
-FULL = GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=4)
-WINDOW = GroupSpec(kind=GroupKind.SLIDING_WINDOW, block_size=8, sliding_window=16)
-CONFIG = OffloadConfig(hash_block_size=H, blocks_per_chunk=2, groups=(FULL, WINDOW))
-PROMPT = chain(8, family=0, shared=0)  # 32 tokens: chunks of 8 (group 0) and 16 (group 1)
 HAS_TORCH_CUDA = False
 if importlib.util.find_spec("torch") is not None:
     import torch
 
     HAS_TORCH_CUDA = bool(torch.cuda.is_available())
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
-
-
-# -- the world every case runs against --------------------------------------------------------
-
-
-@attrs.define
-class World:
-    """A session with history: r1 stored its prompt and finished; r2 loaded it and has a store
-    in flight; r3 was looked up. Plus a planner state, blocks and plans to break."""
-
-    rig: Rig
-    state: RequestState
-    blocks: list[GroupBlocks]
-    store_job: BoundPlan
-    load_job: BoundPlan
-
-    @property
-    def session(self) -> OffloadSession:
-        return self.rig.session
-
-    @property
-    def catalog(self) -> Catalog:
-        return self.rig.catalog
-
-    @property
-    def cpu(self) -> Any:
-        return self.rig.executor.inner
-
-    def snapshot(self) -> object:
-        """Everything a caller could observe, and the private bookkeeping behind it."""
-        session, catalog, cpu = self.session, self.catalog, self.cpu
-        return (
-            {
-                rid: (r.state, frozenset(r.jobs), r.finished, r.num_hashes, r.fence)
-                for rid, r in session._requests.items()
-            },
-            {
-                jid: (j.request_id, j.direction, j.keys, frozenset(j.reported), j.failed)
-                for jid, j in session._jobs.items()
-            },
-            (session._next_job, session._first_live_job),
-            catalog.snapshot(),
-            catalog.counters(),
-            tuple(catalog._freed),
-            bytes(cpu.host_tier.array),
-            [bytes(t) for group in self.rig.caches for t in group],
-            sorted(cpu._jobs),
-            self.state,
-            [(b.ids.tobytes(), b.is_null.tobytes()) for b in self.blocks],
-        )
-
-
-def make_world() -> World:
-    rig = Rig(CONFIG, capacity_rows=8, num_blocks=32)
-    r1 = rig.arrive("r1", PROMPT)
-    rig.admit(r1)
-    rig.store_step({"r1": 32})
-    rig.deliver()
-    rig.finish("r1")
-    r2 = rig.arrive("r2", chain(12, family=0, shared=0))
-    load = rig.admit(r2)
-    assert load is not None
-    rig.deliver()
-    (store,) = rig.store_step({"r2": 16})
-    rig.executor.inner.submit(_rebound(store, job_id=900))  # a job the cpu executor holds
-    rig.arrive("r3", chain(4, family=1, shared=0))
-    rig.session.lookup("r3", block_hashes=chain(4, 1, 0), num_tokens=16, num_computed_tokens=0)
-    state = new_request_state(CONFIG, "r9", num_prompt_tokens=32, block_hashes=PROMPT)
-    blocks = [GroupBlocks.of(range(1, 9)), GroupBlocks.of(range(11, 15))]
-    return World(rig=rig, state=state, blocks=blocks, store_job=store, load_job=load)
-
-
-def _rebound(bound: BoundPlan, **changes: Any) -> BoundPlan:
-    return attrs.evolve(bound, **changes)
 
 
 def _plan(**changes: Any) -> TransferPlan:
@@ -162,6 +86,22 @@ class _CudaLike:
 def _cpu_executor(kv_caches: Any, **options: Any) -> Any:
     fields = {"kv_caches": kv_caches, "blocks_per_chunk": 2, "num_rows": 4, **options}
     return make_executor("cpu", **fields)
+
+
+def _scenario(**sections: Any) -> bytes:
+    """Return a small scenario document (one group, one lookup step) with `sections` replaced."""
+    document: dict[str, Any] = {
+        "schema_version": 1,
+        "config": {
+            "hash_block_size": 4,
+            "blocks_per_chunk": 1,
+            "groups": [{"kind": "full_attention", "block_size": 4}],
+        },
+        "request": {"num_tokens": 16},
+        "steps": [{"op": "lookup", "num_computed_tokens": 0}],
+    }
+    document.update(sections)
+    return json.dumps(document).encode()
 
 
 def _adapter_config() -> Any:
@@ -457,17 +397,42 @@ CASES = [
     ),
     Case(
         "negative CPU row",
-        lambda w: _rebound(w.load_job, cpu_rows=[-1] * len(w.load_job.cpu_rows)),
+        lambda w: rebound(w.load_job, cpu_rows=[-1] * len(w.load_job.cpu_rows)),
         BROKEN,
         "cpu_rows",
         request="r2",
     ),
     Case(
         "one CPU row short",
-        lambda w: _rebound(w.load_job, cpu_rows=w.load_job.cpu_rows[:-1]),
+        lambda w: rebound(w.load_job, cpu_rows=w.load_job.cpu_rows[:-1]),
         BROKEN,
         "cpu_rows",
         request="r2",
+    ),
+    Case(
+        "negative job id",
+        lambda w: rebound(w.load_job, job_id=-1),
+        BAD,
+        "job_id",
+        request="r2",
+    ),
+    Case(
+        "job result: success as a string",
+        lambda w: JobResult(job_id=1, success="false", nbytes=0, seconds=0.0),
+        BAD,
+        "success",
+    ),
+    Case(
+        "job result: negative bytes",
+        lambda w: JobResult(job_id=1, success=True, nbytes=-1, seconds=0.0),
+        BAD,
+        "nbytes",
+    ),
+    Case(
+        "job result: seconds not finite",
+        lambda w: JobResult(job_id=1, success=True, nbytes=0, seconds=float("inf")),
+        BAD,
+        "seconds",
     ),
     # -- planner functions -------------------------------------------------------------------
     Case(
@@ -731,6 +696,14 @@ CASES = [
         group=0,
     ),
     Case(
+        "session start_stores: a live request id reused for another prompt",
+        lambda w: w.session.start_stores([_running(block_hashes=chain(12, 1, 0))]),
+        BAD,
+        "block_hashes",
+        request="r2",
+        words=("reused for another prompt",),
+    ),
+    Case(
         "session report: worker out of range",
         lambda w: w.session.report(
             1, [JobResult(job_id=w.store_job.job_id, success=True, nbytes=0, seconds=0.0)]
@@ -770,7 +743,139 @@ CASES = [
         "request_id",
         request="r8",
     ),
+    # -- catalog -----------------------------------------------------------------------------
+    Case(
+        "catalog: a key twice in one reservation",
+        lambda w: w.catalog.reserve([OffloadKey(0, b"x"), OffloadKey(0, b"x")], request="r9"),
+        BAD,
+        "keys",
+        request="r9",
+        words=("each key once",),
+    ),
+    Case(
+        "catalog: positions that do not match the keys",
+        lambda w: w.catalog.reserve([OffloadKey(0, b"x")], positions=[8, 16], request="r9"),
+        BAD,
+        "positions",
+        request="r9",
+    ),
+    Case(
+        "catalog: pin a key that is not ready",
+        lambda w: w.catalog.pin([OffloadKey(0, b"absent")], request="r9"),
+        BROKEN,
+        "keys",
+        request="r9",
+        group=0,
+        words=("absent",),
+    ),
+    Case(
+        "catalog: unpin a key no load pins",
+        lambda w: w.catalog.unpin([w.load_job.plan.keys[0]]),
+        BROKEN,
+        "keys",
+        group=0,
+    ),
+    Case(
+        "catalog: complete a store of a ready key",
+        lambda w: w.catalog.complete_store([w.load_job.plan.keys[0]], success=True),
+        BROKEN,
+        "keys",
+        group=0,
+        words=("ready",),
+    ),
+    Case(
+        "catalog: another lock than its own",
+        lambda w: w.catalog.use_lock(threading.RLock()),
+        BAD,
+        "lock",
+    ),
+    Case("catalog: a config that is not a CatalogConfig", lambda w: Catalog({}), BAD, "config"),
+    # -- scenario files ------------------------------------------------------------------------
+    Case(
+        "scenario: a flag written as a string",
+        lambda w: parse_scenario(_scenario(request={"num_tokens": 16, "store_loaded": "false"})),
+        BAD,
+        "request.store_loaded",
+    ),
+    Case(
+        "scenario: a count written as a float",
+        lambda w: parse_scenario(_scenario(steps=[{"op": "lookup", "num_computed_tokens": 4.0}])),
+        BAD,
+        "steps[0].num_computed_tokens",
+    ),
+    Case(
+        "scenario: a billion tokens",
+        lambda w: parse_scenario(_scenario(request={"num_tokens": 10**9})),
+        BAD,
+        "request.num_tokens",
+        words=("hash blocks",),
+    ),
+    Case(
+        "scenario: a hash that is not hex",
+        lambda w: parse_scenario(_scenario(request={"num_tokens": 4, "block_hashes": ["zz"]})),
+        BAD,
+        "request.block_hashes[0]",
+    ),
+    Case(
+        "scenario: not UTF-8",
+        lambda w: parse_scenario(b"\xff\xfe{}"),
+        BAD,
+        "scenario",
+        words=("UTF-8",),
+    ),
+    # -- environment ---------------------------------------------------------------------------
+    *(
+        [
+            Case(
+                "environment: a number in superscript digits",
+                lambda w: _adapter_config().from_env({"KVFERRY_BLOCKS_PER_CHUNK": "\u00b2"}),
+                BAD,
+                "KVFERRY_BLOCKS_PER_CHUNK",
+            ),
+            Case(
+                "environment: a 5000-digit size",
+                lambda w: _adapter_config().from_env({"KVFERRY_CPU_TIER_BYTES": "9" * 5000}),
+                BAD,
+                "KVFERRY_CPU_TIER_BYTES",
+            ),
+            Case(
+                "environment: a timeout of 0 seconds",
+                lambda w: _adapter_config().from_env({"KVFERRY_WORKER_REPLY_TIMEOUT": "0"}),
+                BAD,
+                "KVFERRY_WORKER_REPLY_TIMEOUT",
+            ),
+            Case(
+                "adapter config: a CPU tier larger than the host",
+                lambda w: (
+                    _adapter_config().from_mapping({"cpu_tier_bytes": 1 << 62}).catalog_config(4096)
+                ),
+                BAD,
+                "cpu_tier_bytes",
+                words=("host's memory",),
+            ),
+            Case(
+                "adapter config: a GPU setting with a host executor",
+                lambda w: (
+                    _adapter_config()
+                    .from_mapping({"staging_bytes": "1MiB"})
+                    .executor_options(on_gpu=False)
+                ),
+                BAD,
+                "staging_bytes",
+                words=("GPU executors only",),
+            ),
+        ]
+        if importlib.util.find_spec("kvferry.adapters.config")
+        else []
+    ),
     # -- executors ---------------------------------------------------------------------------
+    Case(
+        "host tier larger than the host",
+        lambda w: HostTier(num_rows=1 << 50, row_bytes=4096),
+        BAD,
+        "num_rows",
+        words=("host's memory",),
+    ),
     Case(
         "executor: CPU tier of 0 bytes",
         lambda w: _cpu_executor([[_mla(_host_tensor((8, 24)))]], num_rows=0),
@@ -822,7 +927,7 @@ CASES = [
     ),
     Case(
         "executor: a plan bound for another layout",
-        lambda w: w.cpu.submit(_rebound(w.store_job, job_id=901, layout_fingerprint="0" * 16)),
+        lambda w: w.cpu.submit(rebound(w.store_job, job_id=901, layout_fingerprint="0" * 16)),
         BAD,
         "layout_fingerprint",
         request="r2",
@@ -830,7 +935,7 @@ CASES = [
     Case(
         "executor: block id beyond the tensor",
         lambda w: w.cpu.submit(
-            _rebound(
+            rebound(
                 w.load_job,
                 job_id=902,
                 plan=attrs.evolve(
@@ -847,7 +952,7 @@ CASES = [
     Case(
         "executor: CPU row beyond the tier",
         lambda w: w.cpu.submit(
-            _rebound(w.load_job, job_id=903, cpu_rows=[8] * len(w.load_job.cpu_rows))
+            rebound(w.load_job, job_id=903, cpu_rows=[8] * len(w.load_job.cpu_rows))
         ),
         BROKEN,
         "cpu_rows",
@@ -875,7 +980,7 @@ CASES = [
     Case(
         "executor: a store writing one row twice",
         lambda w: w.cpu.submit(
-            _rebound(w.store_job, job_id=905, cpu_rows=[0] * len(w.store_job.cpu_rows))
+            rebound(w.store_job, job_id=905, cpu_rows=[0] * len(w.store_job.cpu_rows))
         ),
         BROKEN,
         "cpu_rows",
@@ -883,7 +988,7 @@ CASES = [
     ),
     Case(
         "executor: a job id already in flight",
-        lambda w: w.cpu.submit(_rebound(w.store_job, job_id=900)),
+        lambda w: w.cpu.submit(rebound(w.store_job, job_id=900)),
         BAD,
         "job_id",
         request="r2",
@@ -1004,20 +1109,21 @@ CASES = [
             )
         ),
         BAD,
-        "job_id",
+        "jobs[0].job_id",
+        request="r2",
     ),
     Case(
         "message: a CPU row as a float",
         lambda w: messages.decode_jobs(_edit_jobs(w.load_job, cpu_rows=[0.5])),
-        BROKEN,
-        "cpu_rows",
+        BAD,
+        "jobs[0].cpu_rows[0]",
         request="r2",
     ),
     Case(
         "message: a GPU block id as a float",
         lambda w: messages.decode_jobs(_edit_jobs(w.load_job, gpu_block_ids=[2.0])),
-        BROKEN,
-        "gpu_block_ids",
+        BAD,
+        "jobs[0].plan.gpu_block_ids[0]",
         request="r2",
     ),
     Case(
@@ -1049,7 +1155,38 @@ CASES = [
             ).replace(b"0.5", b"NaN")
         ),
         BAD,
-        "seconds",
+        "message",
+        words=("finite number", "NaN"),
+    ),
+    Case(
+        "message: a negative byte count",
+        lambda w: messages.decode_completions(
+            messages.encode_completions(
+                0, [JobResult(job_id=1, success=True, nbytes=5, seconds=0.5)]
+            ).replace(b'"nbytes": 5', b'"nbytes": -5')
+        ),
+        BAD,
+        "results[0].nbytes",
+    ),
+    Case(
+        "message: a plan without a direction",
+        lambda w: messages.decode_jobs(
+            messages.encode_jobs([w.load_job]).replace(b'"direction": "load",', b"")
+        ),
+        BAD,
+        "jobs[0].plan.direction",
+        request="r2",
+    ),
+    Case(
+        "message: a misspelled field",
+        lambda w: messages.decode_jobs(
+            messages.encode_jobs([w.store_job]).replace(
+                b'"layout_fingerprint"', b'"layout_fingerprnt"'
+            )
+        ),
+        BAD,
+        "jobs[0].layout_fingerprnt",
+        words=("did you mean 'layout_fingerprint'",),
     ),
 ]
 
@@ -1078,3 +1215,92 @@ def test_bad_input_raises_a_located_typed_error_and_changes_nothing(case: Case) 
     for word in case.words:
         assert word in message, (word, message)
     assert world.snapshot() == before
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CliCase:
+    """A malformed command line (or environment, or file): exit 2 and one line naming it."""
+
+    name: str
+    argv: tuple[str, ...]
+    words: tuple[str, ...]
+    environ: tuple[tuple[str, str], ...] = ()
+    file: bytes | None = None
+    """Written to a file whose path replaces `FILE` in `argv`."""
+
+
+CLI_CASES = [
+    CliCase("no command", (), ("required: command",)),
+    CliCase("an unknown command", ("plant",), ("invalid choice",)),
+    CliCase("requests of 0", ("demo", "--requests", "0"), ("--requests", ">= 1")),
+    CliCase("a negative seed", ("demo", "--seed", "-1"), ("--seed", ">= 0")),
+    CliCase("ranks in superscript", ("demo", "--tp", "\u00b2"), ("--tp",)),
+    CliCase("5000-digit requests", ("demo", "--requests", "9" * 5000), ("5000 characters",)),
+    CliCase("an unknown profile", ("demo", "--profile", "lama"), ("'profile'", "llama")),
+    CliCase("an unknown executor", ("demo", "--executor", "tourch"), ("did you mean 'torch'",)),
+    CliCase("an unknown policy", ("demo", "--eviction-policy", "lfu"), ("eviction_policy",)),
+    CliCase(
+        "a size in other digits", ("demo", "--cpu-tier-bytes", "\u00b2GiB"), ("cpu_tier_bytes",)
+    ),
+    CliCase("a tier no host has", ("demo", "--cpu-tier-bytes", str(1 << 62)), ("host's memory",)),
+    CliCase("a rank count that splits no heads", ("demo", "--tp", "3"), ("divisor",)),
+    CliCase(
+        "a missing config file", ("demo", "--config", "/nonexistent/k.toml"), ("No such file",)
+    ),
+    CliCase(
+        "a config file that is not TOML", ("demo", "--config", "FILE"), ("valid TOML",), file=b"x ="
+    ),
+    CliCase(
+        "an unknown variable",
+        ("demo",),
+        ("KVFERRY_EXECUTR", "did you mean"),
+        environ=(("KVFERRY_EXECUTR", "cpu"),),
+    ),
+    CliCase(
+        "a GPU setting for the cpu executor",
+        ("demo",),
+        ("staging_bytes",),
+        environ=(("KVFERRY_STAGING_BYTES", "1MiB"),),
+    ),
+    CliCase("a missing scenario", ("plan", "/nonexistent/s.json"), ("No such file",)),
+    CliCase("a scenario that is a folder", ("plan", "/"), ("Is a directory",)),
+    CliCase("a scenario that is not JSON", ("plan", "FILE"), ("JSON text",), file=b"{oops"),
+    CliCase(
+        "a scenario with a wrong kind",
+        ("plan", "FILE"),
+        ("request.num_tokens",),
+        file=_scenario(request={"num_tokens": "16"}),
+    ),
+    CliCase("an unknown benchmark", ("bench", "--only", "gpu"), ("invalid choice",)),
+]
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[c.name for c in CLI_CASES])
+def test_a_malformed_command_line_exits_2_with_one_line_naming_it(
+    case: CliCase,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvferry.adapters import cli
+
+    for name, value in case.environ:
+        monkeypatch.setenv(name, value)
+    argv = list(case.argv)
+    if case.file is not None:
+        path = tmp_path / "input"
+        path.write_bytes(case.file)
+        argv = [str(path) if arg == "FILE" else arg for arg in argv]
+    try:
+        code = cli.main([*argv, "--no-progress"] if argv[:1] == ["demo"] else argv)
+    except SystemExit as exit_:  # argparse exits from inside main
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert code == cli.EXIT_INPUT, captured.err
+    assert captured.err.count("\n") == 1 and "error: " in captured.err, captured.err
+    assert captured.out == ""
+    for word in case.words:
+        assert word in captured.err, (word, captured.err)

@@ -103,10 +103,12 @@ def test_reserve_skips_keys_already_present_without_error() -> None:
     assert reservation.rows.tolist() == [2]
 
 
-def test_reserve_gives_a_repeated_key_one_row() -> None:
-    reservation = catalog(4).reserve([k(1), k(1)])
-    assert reservation is not None
-    assert reservation.keys == (k(1),)
+def test_reserve_refuses_a_repeated_key_changing_nothing() -> None:
+    cat = catalog(4)
+    with pytest.raises(InvalidInputError, match="each key once") as caught:
+        cat.reserve([k(1), k(1)], request="r1")
+    assert caught.value.request == "r1"
+    assert cat.snapshot() == {} and cat.counters().misses == 0
 
 
 def test_reserve_reuses_rows_freed_by_a_failed_store() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -14,6 +15,7 @@ from hypothesis.stateful import (
 )
 
 from kvferry.core.catalog import Catalog, CatalogConfig, KeyState
+from kvferry.core.errors import InvalidInputError
 from kvferry.core.eviction import EvictionPolicyKind
 from kvferry.core.keys import KeyStatus, OffloadKey
 
@@ -58,6 +60,13 @@ class CatalogMachine(RuleBasedStateMachine):
         evictable = {k for k in self.ready if k not in self.pins and k not in asked}
         fits = len(absent) - free <= len(evictable)
         assert self.catalog.can_reserve(keys) is fits
+        if len(asked) != len(keys):  # a key twice: refused, nothing changed
+            before = (self.catalog.snapshot(), self.catalog.counters())
+            with pytest.raises(InvalidInputError, match="each key once"):
+                self.catalog.reserve(keys, positions=positions, request=request)
+            assert (self.catalog.snapshot(), self.catalog.counters()) == before
+            assert self.catalog.drain_events() == ()
+            return ()
         reservation = self.catalog.reserve(keys, positions=positions, request=request)
         if not fits:
             assert reservation is None

@@ -4,8 +4,11 @@ each rank over its own shard; byte-exact round trips, world-size counting, failu
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -31,6 +34,7 @@ from kvferry.core.errors import InvalidInputError
 from kvferry.core.layout import TensorLayout
 from kvferry.executors import KVTensor, make_executor
 from kvferry.executors.cpu import CpuExecutor
+from kvferry.executors.faults import FaultPoint, FaultyExecutor
 
 CONFIG = OffloadConfig(
     hash_block_size=4,
@@ -76,6 +80,11 @@ class HostShard:
     slow: bool = False
     odd_rank_heads: int | None = None
     fail_rank: int | None = None
+    faults: tuple[tuple[int, FaultPoint], ...] = ()
+    """Jobs the ranks' executors fail on purpose (a FaultyExecutor wraps the cpu executor)."""
+    short_rank: int | None = None
+    """A rank whose CPU tier has 2 rows instead of NUM_ROWS (it refuses plans for row >= 2)."""
+    not_an_executor: bool = False
 
     def __call__(self, rank: int, world_size: int) -> WorkerShard:
         if rank == self.fail_rank:
@@ -85,10 +94,13 @@ class HostShard:
             heads = self.odd_rank_heads
         tensors = [shard_tensor(rank, layer, heads) for layer in range(LAYERS)]
         kv = [[KVTensor(tensor=t, layout=TensorLayout.BLOCKS_FIRST) for t in tensors]]
+        rows = 2 if rank == self.short_rank else NUM_ROWS
         if self.slow:
-            executor: Any = SlowCpuExecutor(kv_caches=kv, blocks_per_chunk=2, num_rows=NUM_ROWS)
+            executor: Any = SlowCpuExecutor(kv_caches=kv, blocks_per_chunk=2, num_rows=rows)
         else:
-            executor = make_executor("cpu", kv_caches=kv, blocks_per_chunk=2, num_rows=NUM_ROWS)
+            executor = make_executor("cpu", kv_caches=kv, blocks_per_chunk=2, num_rows=rows)
+        if self.faults:
+            executor = FaultyExecutor(executor, dict(self.faults))
 
         def pages(ids: Sequence[int]) -> list[bytes]:
             return [t[list(ids)].tobytes() for t in tensors]
@@ -104,13 +116,22 @@ class HostShard:
         def sleep(seconds: float) -> None:
             time.sleep(seconds)
 
+        def leave(reason: str) -> None:
+            if reason:
+                raise SystemExit(reason)
+
+        def unpicklable(_: object) -> object:
+            return lambda: None
+
         handlers: dict[str, Handler] = {
             "pages": pages,
             "zero": zero,
             "crash": crash,
             "sleep": sleep,
+            "leave": leave,
+            "unpicklable": unpicklable,
         }
-        return WorkerShard(executor=executor, handlers=handlers)
+        return WorkerShard(executor=None if self.not_an_executor else executor, handlers=handlers)
 
 
 @pytest.fixture(scope="module")
@@ -188,12 +209,33 @@ def test_every_rank_reports_under_its_own_rank(pool: WorkerPool) -> None:
     assert [c.worker for c in completions] == [0, 1]
 
 
-def test_a_plan_for_another_layout_is_refused_by_the_ranks(pool: WorkerPool) -> None:
+def test_a_plan_for_another_layout_fails_on_every_rank_naming_the_refusal(
+    pool: WorkerPool,
+) -> None:
     session = new_session(pool)
     job = attrs.evolve(store_prompt(session, "r5", [17, 18]), layout_fingerprint="other")
-    with pytest.raises(WorkerRaisedError) as caught:
-        pool.submit([job])
-    assert (caught.value.rank, caught.value.error_type) == (0, "InvalidInputError")
+    completions = pool.submit([job])
+    for rank, part in enumerate(completions):
+        (result,) = part.results
+        assert (result.job_id, result.success) == (job.job_id, False)
+        assert f"refused by rank {rank}" in (result.error or "")
+        assert "layout_fingerprint" in (result.error or "")
+    assert report_all(session, completions).failed == (job.job_id,)
+    assert session.in_flight() == frozenset()
+
+
+def test_a_job_one_rank_refuses_fails_instead_of_staying_in_flight() -> None:
+    with WorkerPool(HostShard(short_rank=1), 2, reply_timeout=30) as workers:
+        session = new_session(workers)
+        job = store_prompt(session, "r7", [3, 4, 5, 6, 7, 8, 9, 10])  # rows 0-3: rank 1 has 2
+        rank0, rank1 = workers.submit([job])  # the cpu executor's jobs end inside submit
+        assert [r.success for r in rank0.results] == [True]
+        assert [r.success for r in rank1.results] == [False]
+        assert "refused by rank 1" in (rank1.results[0].error or "")
+        report = report_all(session, [rank0, rank1])
+        assert (report.completed, report.failed) == ((job.job_id,), (job.job_id,))
+        assert session.in_flight() == frozenset()
+        assert session.catalog.rows_used == 0  # the failed store's rows came back
 
 
 def test_a_command_raising_in_a_worker_names_the_rank_and_keeps_the_pool(
@@ -261,3 +303,77 @@ def test_a_closed_pool_refuses_commands() -> None:
     workers.close()
     with pytest.raises(InvalidInputError, match="closed"):
         workers.poll()
+
+
+ORPHANED = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from test_workers import HostShard
+from kvferry.adapters.workers import WorkerPool
+
+if __name__ == "__main__":
+    pool = WorkerPool(HostShard(), 2, reply_timeout=30)
+    print(" ".join(str(info.pid) for info in pool.infos), flush=True)
+    for entry in pool._ranks:  # rank 1 answers after its parent is gone
+        entry.conn.send(("call", "sleep", 0.0 if entry.rank == 0 else 1.0))
+    time.sleep(0.3)
+    os.kill(os.getpid(), 9)
+"""
+
+
+def test_workers_whose_parent_died_exit_quietly(tmp_path: Path) -> None:
+    script = tmp_path / "orphaned.py"
+    script.write_text(ORPHANED.format(tests=str(Path(__file__).parent)), encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == -9
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+    assert done.stderr == ""  # the workers held the pipe until they ended: all they wrote
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_the_fault_injecting_executor_runs_inside_a_worker() -> None:
+    with WorkerPool(HostShard(faults=((1, FaultPoint.MIDWAY),)), 2, reply_timeout=30) as workers:
+        session = new_session(workers)
+        job = store_prompt(session, "r8", [3, 4])
+        assert job.job_id == 1
+        completions = workers.submit([job])
+        results = [r for part in completions for r in part.results]
+        assert [r.success for r in results] == [False, False]
+        assert all("injected fault midway" in (r.error or "") for r in results)
+        assert report_all(session, completions).failed == (1,)
+
+
+def test_a_worker_that_dies_of_an_error_carries_its_text_to_the_parent() -> None:
+    with (
+        WorkerPool(HostShard(), 2, reply_timeout=30) as workers,
+        pytest.raises(WorkerCrashedError) as caught,
+    ):
+        workers.call_each("leave", ["", "the shard gave up"])
+    assert caught.value.rank == 1
+    assert "SystemExit: the shard gave up" in str(caught.value)
+
+
+def test_an_answer_that_cannot_be_sent_is_an_error_of_the_command() -> None:
+    with WorkerPool(HostShard(), 1, reply_timeout=30) as workers:
+        with pytest.raises(WorkerRaisedError, match=r"worker rank 0: .*(Pickl|pickle)"):
+            workers.call("unpicklable")
+        assert [c.results for c in workers.poll()] == [()]
+
+
+def test_a_shard_without_an_executor_fails_at_start_naming_why() -> None:
+    with pytest.raises(WorkerRaisedError, match=r"worker rank 0: InvalidInputError.*executor"):
+        WorkerPool(HostShard(not_an_executor=True), 1, reply_timeout=30)
