@@ -30,9 +30,9 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     UniformTypeKVCacheSpecs,
-    group_kernel_blocks,
 )
 
+from kvferry.adapters.layer_pages import REQUIRED_KV_CACHE_LAYOUT, LayerGroup, group_kv_tensors
 from kvferry.adapters.messages import (
     decode_completions,
     decode_jobs,
@@ -48,27 +48,11 @@ from kvferry.core.catalog import Catalog, CatalogConfig, EventKind
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.keys import OffloadKey
-from kvferry.core.layout import TensorLayout
 from kvferry.core.plan import Direction
-from kvferry.executors import KVTensor, make_executor
+from kvferry.executors import make_executor
 from kvferry.executors.base import Executor
 
 logger = logging.getLogger(__name__)
-
-REQUIRED_KV_CACHE_LAYOUT = "LBHNC"
-"""The KV-cache layout the connector asks vLLM for (as vLLM's own offloading connector does):
-layers outermost, then blocks, so every layer's page of a block is one contiguous run."""
-
-PAGE_LAYOUTS: dict[GroupKind, TensorLayout] = {
-    GroupKind.FULL_ATTENTION: TensorLayout.MLA,
-    GroupKind.SLIDING_WINDOW: TensorLayout.MLA,
-    GroupKind.CHUNKED_LOCAL_ATTENTION: TensorLayout.MLA,
-    GroupKind.MAMBA: TensorLayout.MAMBA,
-}
-"""The kvferry layout rule each group kind's layer pages are described by. vLLM 0.33 keeps a
-layer's page as one dense run (attention: `[heads, block_size, K|V]`, K and V side by side), so
-kvferry sees each layer as `(num_blocks, page_bytes)`: block dimension first, one ref per layer,
-the page dense — the rule kvferry names `MLA` (and `MAMBA` for state pages)."""
 
 
 # -- metadata crossing the process boundary ----------------------------------------------------
@@ -816,21 +800,15 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         config = self._kv_cache_config
-        tensors = []
-        for index, gid in enumerate(self._shape.groups.offloaded):
-            kind = self._shape.config.groups[index].kind
-            group_tensors, seen = [], set()
-            for name in config.kv_cache_groups[gid].layer_names:
-                if name not in kv_caches:
-                    raise InvalidInputError(
-                        group=gid, field="kv_caches", expected=f"layer {name!r}", got=None
-                    )
-                flat = page_view(kv_caches[name], config.num_blocks, group=gid, layer=name)
-                if (flat.data_ptr(), flat.stride(0)) in seen:
-                    continue  # a layer sharing another layer's cache: its pages move once
-                seen.add((flat.data_ptr(), flat.stride(0)))
-                group_tensors.append(KVTensor(tensor=flat, layout=PAGE_LAYOUTS[kind]))
-            tensors.append(group_tensors)
+        groups = [
+            LayerGroup(
+                group=gid,
+                kind=self._shape.config.groups[index].kind,
+                layer_names=config.kv_cache_groups[gid].layer_names,
+            )
+            for index, gid in enumerate(self._shape.groups.offloaded)
+        ]
+        tensors = group_kv_tensors(kv_caches, groups, config.num_blocks)
         executor = make_executor(
             self._shape.settings.executor,
             kv_caches=tensors,
@@ -912,56 +890,11 @@ class _WorkerSide:
                     self._failed.add(rid)
 
 
-def page_view(view: torch.Tensor, num_blocks: int, *, group: int, layer: str) -> torch.Tensor:
-    """Return one layer's KV as `(num_blocks, page_bytes)` bytes: row `b` is the layer's page of
-    manager block `b`, at the layer's block stride.
-
-    `view` is what vLLM's allocator hands out, kernel blocks included (vLLM's own
-    `group_kernel_blocks` regroups them into manager blocks). Every dimension after the block
-    one must pack densely (in any order), so that a page is one run of bytes; a layout that
-    splits a page (heads outside blocks) is refused, naming the layer.
-    """
-    if not isinstance(view, torch.Tensor):
-        raise InvalidInputError(
-            group=group, field=f"kv_caches[{layer!r}]", expected="a tensor", got=type(view).__name__
-        )
-    pages = group_kernel_blocks(view, num_blocks)
-    dims = sorted(
-        (int(stride), int(size))
-        for size, stride in zip(pages.shape[1:], pages.stride()[1:], strict=True)
-        if size != 1
-    )
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            raise InvalidInputError(
-                group=group,
-                field=f"kv_caches[{layer!r}]",
-                expected=(
-                    "pages that are one dense run per block (a layer-compact KV-cache layout "
-                    f"such as {REQUIRED_KV_CACHE_LAYOUT})"
-                ),
-                got=f"shape {tuple(pages.shape)}, strides {tuple(pages.stride())}",
-            )
-        expected *= size
-    itemsize = pages.element_size()
-    page_bytes = expected * itemsize
-    stride = int(pages.stride(0)) * itemsize if num_blocks > 1 else page_bytes
-    return torch.empty(0, dtype=torch.uint8, device=pages.device).set_(
-        pages.untyped_storage(),
-        pages.storage_offset() * itemsize,
-        (num_blocks, page_bytes),
-        (stride, 1),
-    )
-
-
 __all__ = [
-    "PAGE_LAYOUTS",
     "REQUIRED_KV_CACHE_LAYOUT",
     "KvferryConnector",
     "KvferryConnectorMetadata",
     "KvferryConnectorStats",
     "KvferryWorkerMetadata",
     "expected_row_bytes",
-    "page_view",
 ]
