@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
+from record_vllm_layouts import MODELS, allocate, fixture_path, record
 from vllm.v1.kv_cache_interface import group_kernel_blocks
-from vllm_layouts import MODELS, allocate, fixture_path, record
 from vllm_rig import tiny_model_config
 
 from kvferry.adapters.layer_pages import manager_blocks

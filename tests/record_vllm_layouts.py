@@ -11,7 +11,7 @@ worker then hands `register_kv_caches`: the groups and, per layer, the view's sh
 storage offset and dtype into the buffer.
 
 Imports vLLM: load it only after `pytest.importorskip("vllm")`.
-`python tests/vllm_layouts.py` rewrites the fixtures (review the diff before committing).
+`python tests/record_vllm_layouts.py` rewrites the fixtures (review the diff before committing).
 """
 
 from __future__ import annotations
