@@ -11,7 +11,7 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -348,18 +348,24 @@ class KvferryConfig:
         return cls.from_env(environ, base=config)
 
     def catalog_config(
-        self, bytes_per_row: int, *, default_tier_bytes: int | None = None
+        self, row_pitches: int | Sequence[int], *, default_tier_bytes: int | None = None
     ) -> CatalogConfig:
-        """Return the catalog configuration for rows of `bytes_per_row` bytes (the executor
-        layout's `row_bytes`); raise InvalidInputError when the budget holds no row, or more
-        than the host's memory (checked before any executor allocates its tier)."""
+        """Return the catalog configuration for the groups' rows of `row_pitches` bytes (the
+        executor layout's `row_pitches`, times the workers that each pin a tier): the budget
+        split by `rows_for_budget`, every group holding the same number of chunks. Raise
+        InvalidInputError when the budget holds no row of some group, or more than the host's
+        memory (checked before any executor allocates its tier)."""
         budget = self.cpu_tier_bytes if self.cpu_tier_bytes is not None else default_tier_bytes
         if budget is None:
             raise _bad("cpu_tier_bytes", "a byte budget (no default here)", None)
-        rows = rows_for_budget(budget, bytes_per_row)
-        if rows < 1:
-            raise _bad("cpu_tier_bytes", f"at least one row ({bytes_per_row} bytes)", budget)
-        if rows * bytes_per_row > (memory := host_memory_bytes()):
+        pitches = (row_pitches,) if isinstance(row_pitches, int) else tuple(row_pitches)
+        rows = rows_for_budget(budget, pitches)
+        if min(rows) < 1:
+            raise _bad(
+                "cpu_tier_bytes", f"at least one row of each group ({sum(pitches)} bytes)", budget
+            )
+        used = sum(r * p for r, p in zip(rows, pitches, strict=True))
+        if used > (memory := host_memory_bytes()):
             raise _bad("cpu_tier_bytes", f"at most the host's memory ({memory} bytes)", budget)
         return CatalogConfig(
             capacity_rows=rows, policy=self.eviction_policy, record_events=self.record_events

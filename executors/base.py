@@ -74,7 +74,7 @@ class Executor(abc.ABC):
         *,
         kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
-        num_rows: int,
+        num_rows: int | Sequence[int],
         route: str | None = None,
     ) -> None:
         self._code: JobCode = job_code(route)
@@ -85,9 +85,7 @@ class Executor(abc.ABC):
             raise InvalidInputError(
                 field="kv_caches", expected="tensors on one device", got=sorted(devices)
             )
-        self._host = HostTier(
-            num_rows=num_rows, row_bytes=self._layout.row_bytes, registrar=self._registrar()
-        )
+        self._host = HostTier(tier=self._layout.tier(num_rows), registrar=self._registrar())
         self._jobs: dict[int, _Job] = {}
         self._closed = False
         groups = self._layout.groups
