@@ -99,7 +99,14 @@ def test_sizes_take_units(text: str | int, expected: int) -> None:
 def test_the_catalog_gets_whole_rows_of_the_budget_and_the_policy() -> None:
     config = KvferryConfig.from_mapping({"cpu_tier_bytes": 1000, "eviction_policy": "arc"})
     catalog = config.catalog_config(300)
-    assert catalog.capacity_rows == 3
+    assert catalog.capacity_rows == (3,)
+    assert catalog.policy is EvictionPolicyKind.ARC
+
+
+def test_the_budget_gives_every_group_the_same_number_of_chunks() -> None:
+    config = KvferryConfig.from_mapping({"cpu_tier_bytes": 1000, "eviction_policy": "arc"})
+    catalog = config.catalog_config([300, 20, 50])
+    assert catalog.capacity_rows == (2, 2, 2)
     assert catalog.policy is EvictionPolicyKind.ARC
 
 
