@@ -59,6 +59,9 @@ class Executor(abc.ABC):
 
     `submit` returns at once; every job is reported exactly once, by `poll` or `wait`.
 
+    `num_rows` is the host tier's rows of each group: one count for every group, or one per
+    group (every group has its own rows, at its own pitch: `KVLayout.tier`).
+
     `route` picks the code of the per-job host work (`executors.jobcode`): `"native"` (the
     compiled module), `"python"`, or None for the compiled module where it is built (unless
     `KVFERRY_NO_NATIVE=1`). Every route gives the same results.
