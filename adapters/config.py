@@ -11,7 +11,7 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,21 @@ def _parse_bool(key: str, value: object) -> bool:
     raise _bad(key, "true or false (env: 1/0, true/false, yes/no, on/off)", value)
 
 
+def _parse_weights(key: str, value: object) -> tuple[int, ...]:
+    """Return per-group weights from a sequence of integers or a string such as "1,4"."""
+    items: object = value
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",")]
+    if not isinstance(items, (list, tuple)) or not items:
+        raise _bad(key, "integers >= 1, one per KV-cache group, e.g. [1, 4] or '1,4'", value)
+    try:
+        return tuple(_parse_positive(key, item) for item in items)
+    except InvalidInputError:
+        raise _bad(
+            key, "integers >= 1, one per KV-cache group, e.g. [1, 4] or '1,4'", value
+        ) from None
+
+
 def _optional(parse: Callable[[str, object], Any]) -> Callable[[str, object], Any]:
     def parse_or_none(key: str, value: object) -> Any:
         if value is None or (isinstance(value, str) and value.strip().lower() in {"", "none"}):
@@ -184,6 +199,14 @@ CONFIG_KEYS: dict[str, ConfigKey] = {
             allowed="bytes >= 1, e.g. 68719476736, '64GiB', '512MB'; unset: the demo profile's",
             parse=_optional(parse_bytes),
             help="pinned host memory for the CPU tier (whole rows of it are used)",
+        ),
+        ConfigKey(
+            name="cpu_tier_group_weights",
+            kind="list of integers",
+            default=None,
+            allowed="integers >= 1, one per KV-cache group, e.g. [1, 4] or '1,4'; unset: 1 each",
+            parse=_optional(_parse_weights),
+            help="chunks of the CPU tier per group, relative (unset: every group holds as many)",
         ),
         ConfigKey(
             name="eviction_policy",
@@ -265,6 +288,8 @@ class KvferryConfig:
     """Executor name (see `kvferry.executors.registry`)."""
     cpu_tier_bytes: int | None = None
     """CPU-tier budget in bytes; None: the caller's default (the demo's profile)."""
+    cpu_tier_group_weights: tuple[int, ...] | None = None
+    """Chunks of the tier per group, relative (`rows_for_budget`'s weights); None: equal."""
     eviction_policy: EvictionPolicyKind = EvictionPolicyKind.LRU
     """The catalog's eviction policy."""
     blocks_per_chunk: int | None = None
@@ -348,18 +373,30 @@ class KvferryConfig:
         return cls.from_env(environ, base=config)
 
     def catalog_config(
-        self, bytes_per_row: int, *, default_tier_bytes: int | None = None
+        self, row_pitches: int | Sequence[int], *, default_tier_bytes: int | None = None
     ) -> CatalogConfig:
-        """Return the catalog configuration for rows of `bytes_per_row` bytes (the executor
-        layout's `row_bytes`); raise InvalidInputError when the budget holds no row, or more
-        than the host's memory (checked before any executor allocates its tier)."""
+        """Return the catalog configuration for the groups' rows of `row_pitches` bytes (the
+        executor layout's `row_pitches`, times the workers that each pin a tier): the budget
+        split by `rows_for_budget`, every group holding the same number of chunks, or chunks in
+        the ratio of `cpu_tier_group_weights`. Raise InvalidInputError when the weights are not
+        one per group, the budget holds no row of some group, or more than the host's memory
+        (checked before any executor allocates its tier)."""
         budget = self.cpu_tier_bytes if self.cpu_tier_bytes is not None else default_tier_bytes
         if budget is None:
             raise _bad("cpu_tier_bytes", "a byte budget (no default here)", None)
-        rows = rows_for_budget(budget, bytes_per_row)
-        if rows < 1:
-            raise _bad("cpu_tier_bytes", f"at least one row ({bytes_per_row} bytes)", budget)
-        if rows * bytes_per_row > (memory := host_memory_bytes()):
+        pitches = (row_pitches,) if isinstance(row_pitches, int) else tuple(row_pitches)
+        weights = self.cpu_tier_group_weights
+        if weights is not None and len(weights) != len(pitches):
+            raise _bad(
+                "cpu_tier_group_weights", f"one weight per KV-cache group ({len(pitches)})", weights
+            )
+        rows = rows_for_budget(budget, pitches, weights=weights)
+        if min(rows) < 1:
+            raise _bad(
+                "cpu_tier_bytes", f"at least one row of each group ({sum(pitches)} bytes)", budget
+            )
+        used = sum(r * p for r, p in zip(rows, pitches, strict=True))
+        if used > (memory := host_memory_bytes()):
             raise _bad("cpu_tier_bytes", f"at most the host's memory ({memory} bytes)", budget)
         return CatalogConfig(
             capacity_rows=rows, policy=self.eviction_policy, record_events=self.record_events

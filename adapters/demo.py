@@ -75,17 +75,23 @@ class ProgressBar:
             self._bar.close()
 
 
-def tier_shortfall(profile: ModelProfile, offload: OffloadConfig, rows: int) -> str | None:
-    """Return a one-line warning when the CPU tier has fewer rows than the chunks one request
-    completes in one full prefill step (a store reserves all of them or none), else None."""
-    need = sum(-(-profile.step_tokens // tokens) for tokens in offload.all_chunk_tokens)
-    if rows >= need:
-        return None
-    return (
-        f"the CPU tier holds {rows} chunk(s), fewer than the {need} a {profile.step_tokens}-token "
-        "prefill step completes; a store takes all of a step's chunks or none, so such steps "
-        "store nothing (a larger --cpu-tier-bytes stores them)"
-    )
+def tier_shortfall(
+    profile: ModelProfile, offload: OffloadConfig, rows: int | Sequence[int]
+) -> str | None:
+    """Return a one-line warning when some group's rows in the CPU tier (one count for every
+    group, or one per group) are fewer than the chunks of that group one request completes in
+    one full prefill step (a store reserves all of them or none), else None."""
+    counts = (rows,) * offload.num_groups if isinstance(rows, int) else tuple(rows)
+    for group, (held, tokens) in enumerate(zip(counts, offload.all_chunk_tokens, strict=True)):
+        need = -(-profile.step_tokens // tokens)
+        if held < need:
+            return (
+                f"the CPU tier holds {held} chunk(s) of group {group}, fewer than the {need} a "
+                f"{profile.step_tokens}-token prefill step completes; a store takes all of a "
+                "step's chunks or none, so such steps store nothing (a larger "
+                "--cpu-tier-bytes stores them)"
+            )
+    return None
 
 
 def _local_ranks(
@@ -95,9 +101,9 @@ def _local_ranks(
     *,
     executor_factory: ExecutorFactory,
     torch_device: str | None,
-) -> tuple[LocalRanks, OffloadSession]:
+) -> tuple[LocalRanks, OffloadSession, tuple[int, ...]]:
     """Build the one in-process rank: the whole model's tensors and, from them, the executor,
-    the catalog and the session (`build_offloading`)."""
+    the catalog and the session (`build_offloading`); return them with each group's row bytes."""
     config = options.config
     if torch_device is None and executor_class(config.executor).on_gpu:
         torch_device = "cuda"
@@ -110,7 +116,7 @@ def _local_ranks(
         executor_factory=executor_factory,
     )
     ranks = LocalRanks(offloading.executor, cache, pattern, block_size=profile.block_size)
-    return ranks, offloading.session
+    return ranks, offloading.session, offloading.layout.row_pitches
 
 
 def _with_tier(config: KvferryConfig, profile: ModelProfile) -> KvferryConfig:
@@ -122,16 +128,18 @@ def _with_tier(config: KvferryConfig, profile: ModelProfile) -> KvferryConfig:
 
 def _process_ranks(
     options: DemoOptions, profile: ModelProfile, offload: OffloadConfig, tp: int
-) -> tuple[ProcessRanks, OffloadSession]:
-    """Start `tp` worker processes, one shard each; return them and the session, whose CPU-tier
-    budget covers every rank (a row is one chunk of the whole model)."""
+) -> tuple[ProcessRanks, OffloadSession, tuple[int, ...]]:
+    """Start `tp` worker processes, one shard each; return them, the session, whose CPU-tier
+    budget covers every rank, and each group's row bytes (a row is one chunk of the whole
+    model)."""
     config = options.config
     f = offload.blocks_per_chunk
     on_gpu = executor_class(config.executor).on_gpu
     shard = profile.sharded(tp)
     # host arrays of the shard, never touched (zeros are mapped lazily): its layout only
     layout = build_layout(DemoKVCache(shard).kv_tensors, f, on_gpu=False)[0]
-    catalog = Catalog(_with_tier(config, profile).catalog_config(tp * layout.row_bytes))
+    pitches = tuple(tp * pitch for pitch in layout.row_pitches)  # a row: a chunk of every rank
+    catalog = Catalog(_with_tier(config, profile).catalog_config(pitches))
     factory = DemoShard(
         profile=profile,
         executor=config.executor,
@@ -148,7 +156,7 @@ def _process_ranks(
             field="layout_fingerprint", expected=layout.fingerprint, got=pool.layout_fingerprint
         )
     session = OffloadSession(offload, catalog, world_size=tp, layout_fingerprint=layout.fingerprint)
-    return ProcessRanks(pool), session
+    return ProcessRanks(pool), session, pitches
 
 
 def describe_ranks(devices: Sequence[str]) -> str:
@@ -192,7 +200,7 @@ def run_demo(
     ranks: DemoRanks
     session: OffloadSession
     if options.tp is None:
-        ranks, session = _local_ranks(
+        ranks, session, pitches = _local_ranks(
             options, profile, offload, executor_factory=executor_factory, torch_device=torch_device
         )
     else:
@@ -202,7 +210,7 @@ def run_demo(
                 expected="no executor_factory or torch_device (workers make executors by name)",
                 got=options.tp,
             )
-        ranks, session = _process_ranks(options, profile, offload, options.tp)
+        ranks, session, pitches = _process_ranks(options, profile, offload, options.tp)
     devices = (
         tuple(info.device for info in ranks.pool.infos) if isinstance(ranks, ProcessRanks) else ()
     )
@@ -242,7 +250,9 @@ def run_demo(
         block_size=profile.block_size,
         gpu_blocks=profile.gpu_blocks,
         cpu_tier_bytes=_with_tier(config, profile).cpu_tier_bytes or 0,
-        cpu_tier_rows=session.catalog.capacity_rows,
+        cpu_tier_rows=session.catalog.counters().group_capacity_rows,
+        cpu_tier_row_bytes=pitches,
+        group_kinds=tuple(group.kind.value for group in profile.groups),
         eviction_policy=config.eviction_policy.value,
         requests=tally.finished,
         steps=tally.steps,

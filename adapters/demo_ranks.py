@@ -168,8 +168,8 @@ class DemoShard:
     """Whether the executor copies CUDA memory (the KV tensors are torch tensors on a GPU)."""
     blocks_per_chunk: int
     """`F`."""
-    num_rows: int
-    """Rows of every rank's CPU tier (the catalog's capacity)."""
+    num_rows: int | tuple[int, ...]
+    """Rows of each group in every rank's CPU tier (the catalog's capacity)."""
     seed: int
     """Seed of the page patterns."""
 

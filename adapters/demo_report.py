@@ -35,8 +35,12 @@ class DemoReport:
     """GPU blocks per group in the pool."""
     cpu_tier_bytes: int
     """The CPU tier's budget."""
-    cpu_tier_rows: int
-    """Rows it holds (one chunk each)."""
+    cpu_tier_rows: tuple[int, ...]
+    """Rows of each group it holds (one chunk each; every group has its own rows)."""
+    cpu_tier_row_bytes: tuple[int, ...]
+    """Bytes of one row of each group (one chunk of the whole model)."""
+    group_kinds: tuple[str, ...]
+    """Each group's kind."""
     eviction_policy: str
     """The catalog's eviction policy."""
     requests: int
@@ -189,8 +193,14 @@ class DemoReport:
             f"  model: {self.title}",
             f"  scaled: {self.scale}; {self.block_size}-token blocks, F = "
             f"{self.blocks_per_chunk}, {self.gpu_blocks} GPU blocks per group",
-            f"  CPU tier: {_size(self.cpu_tier_bytes)} = {self.cpu_tier_rows} rows, "
-            f"eviction {self.eviction_policy}",
+            f"  CPU tier: {_size(self.cpu_tier_bytes)}, eviction {self.eviction_policy}; "
+            "chunks per group:",
+            *(
+                f"    group {g} ({kind}): {rows:,} chunks of {_size(pitch)}"
+                for g, (kind, rows, pitch) in enumerate(
+                    zip(self.group_kinds, self.cpu_tier_rows, self.cpu_tier_row_bytes, strict=True)
+                )
+            ),
         ]
         verified = self.verified
         if self.ranks_note:

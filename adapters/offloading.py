@@ -101,7 +101,7 @@ def build_offloading(
         )
     on_gpu = executor_class(settings.executor).on_gpu
     layout, _ = build_layout(tensors, f, on_gpu=on_gpu)
-    catalog = Catalog(settings.catalog_config(layout.row_bytes))
+    catalog = Catalog(settings.catalog_config(layout.row_pitches))
     gpu_options = settings.executor_options(on_gpu=on_gpu)  # refuses GPU-only keys for `cpu`
     options = {**(gpu_options if on_gpu else {}), **(executor_options or {})}
     made = executor_factory(

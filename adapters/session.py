@@ -208,9 +208,11 @@ class OffloadSession:
             raise InvalidInputError(field="config", expected="an OffloadConfig", got=config)
         if not isinstance(catalog, Catalog):
             raise InvalidInputError(field="catalog", expected="a Catalog", got=catalog)
-        if catalog.capacity_rows < 1:  # a CPU tier of 0 bytes could never store a chunk
+        if catalog.config.least_rows < 1:  # a group of 0 rows could never store a chunk
             raise InvalidInputError(
-                field="capacity_rows", expected="a CPU tier of >= 1 row", got=catalog.capacity_rows
+                field="capacity_rows",
+                expected="a CPU tier of >= 1 row for each group",
+                got=catalog.capacity_rows,
             )
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise InvalidInputError(field="world_size", expected="an integer >= 1", got=world_size)

@@ -44,7 +44,7 @@ from kvferry.adapters.vllm import blocks_from_vllm, group_spec_from_vllm
 from kvferry.adapters.vllm_settings import ConnectorSettings
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
-from kvferry.core.catalog import Catalog, CatalogConfig, EventKind
+from kvferry.core.catalog import Catalog, CatalogConfig, EventKind, rows_for_budget
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.keys import OffloadKey
@@ -181,15 +181,18 @@ def _layer_block_strides(kv_cache_config: KVCacheConfig) -> dict[str, int]:
     }
 
 
-def expected_row_bytes(kv_cache_config: KVCacheConfig, offloaded: Sequence[int], f: int) -> int:
-    """Return the bytes of one CPU-tier row on one worker: `F` pages of every layer of the
-    largest offloaded group, each page slot as wide as the layer's block stride."""
+def expected_row_bytes(
+    kv_cache_config: KVCacheConfig, offloaded: Sequence[int], f: int
+) -> tuple[int, ...]:
+    """Return the bytes of one CPU-tier row of each offloaded group on one worker (every group
+    has its own rows): `F` pages of every layer of the group, each page slot as wide as the
+    layer's block stride."""
     strides = _layer_block_strides(kv_cache_config)
     per_group = []
     for gid in offloaded:
         names = kv_cache_config.kv_cache_groups[gid].layer_names
-        per_group.append(sum(strides[name] for name in names if name in strides))
-    return f * max(per_group)
+        per_group.append(f * sum(strides[name] for name in names if name in strides))
+    return tuple(per_group)
 
 
 @dataclass(frozen=True)
@@ -201,8 +204,8 @@ class _Shape:
     config: OffloadConfig
     world_size: int
     rank: int
-    row_bytes: int
-    num_rows: int
+    row_bytes: tuple[int, ...]
+    num_rows: tuple[int, ...]
 
 
 def _shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Shape:
@@ -224,11 +227,14 @@ def _shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Shape:
     )
     world_size = int(parallel.world_size)
     row_bytes = expected_row_bytes(kv_cache_config, groups.offloaded, settings.blocks_per_chunk)
-    num_rows = settings.cpu_bytes_to_use // (world_size * row_bytes)
-    if num_rows < 1:
+    num_rows = rows_for_budget(settings.cpu_bytes_to_use, [world_size * r for r in row_bytes])
+    if min(num_rows) < 1:
         raise InvalidInputError(
             field="kv_connector_extra_config.cpu_bytes_to_use",
-            expected=f"at least one row: {world_size * row_bytes} bytes ({world_size} workers)",
+            expected=(
+                f"at least one row of each group: {world_size * sum(row_bytes)} bytes "
+                f"({world_size} workers)"
+            ),
             got=settings.cpu_bytes_to_use,
         )
     return _Shape(
@@ -473,6 +479,15 @@ class _SchedulerSide:
             )
         )
         self._session = OffloadSession(shape.config, catalog, world_size=shape.world_size)
+        logger.info(
+            "kvferry: CPU tier per group, per worker: %s",
+            ", ".join(
+                f"group {gid} ({self._kinds[gid]}): {rows} chunks of {pitch} bytes"
+                for gid, rows, pitch in zip(
+                    shape.groups.offloaded, shape.num_rows, shape.row_bytes, strict=True
+                )
+            ),
+        )
         self._requests: dict[str, Any] = {}
         self._computed: dict[str, int] = {}
         self._loads: list[BoundPlan] = []
@@ -815,15 +830,16 @@ class _WorkerSide:
             blocks_per_chunk=self._shape.settings.blocks_per_chunk,
             num_rows=self._shape.num_rows,
         )
-        if executor.layout.row_bytes != self._shape.row_bytes:
+        if executor.layout.row_pitches != self._shape.row_bytes:
             executor.close()
             raise InvalidInputError(
                 field="kv_caches",
                 expected=(
-                    f"CPU rows of {self._shape.row_bytes} bytes, as the scheduler side derived "
+                    f"CPU rows of {self._shape.row_bytes} bytes per group, as the scheduler "
+                    "side derived "
                     "from kv_cache_config"
                 ),
-                got=executor.layout.row_bytes,
+                got=executor.layout.row_pitches,
             )
         self._executor = executor
 

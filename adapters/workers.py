@@ -126,10 +126,10 @@ class WorkerInfo:
     """Where its KV tensors live (`cpu`, `cuda:N`)."""
     layout_fingerprint: str
     """Its executor's layout fingerprint (the same on every rank of one job)."""
-    row_bytes: int
-    """Bytes of one CPU-tier row."""
-    num_rows: int
-    """Rows of its CPU tier."""
+    row_bytes: tuple[int, ...]
+    """Bytes of one CPU-tier row of each group."""
+    num_rows: tuple[int, ...]
+    """Rows of each group in its CPU tier."""
 
 
 # -- the worker process ----------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def worker_main(
             pid=os.getpid(),
             device=executor.device,
             layout_fingerprint=executor.layout.fingerprint,
-            row_bytes=executor.layout.row_bytes,
+            row_bytes=executor.layout.row_pitches,
             num_rows=executor.host_tier.num_rows,
         )
     except Exception as error:

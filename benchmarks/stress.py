@@ -280,7 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--step-tokens", type=positive_int, default=32, help="prefill tokens per step"
     )
     parser.add_argument(
-        "--rows", type=positive_int, default=4096, help="CPU-tier rows (one chunk each)"
+        "--rows",
+        type=positive_int,
+        default=4096,
+        help="CPU-tier rows of each group (one chunk each)",
     )
     parser.add_argument("--seed", type=int, default=0)
     add_common_options(parser, quick="a short run: 500 requests (too few jobs to judge memory)")
@@ -312,7 +315,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"catalog: hits {counters.hits}  stores {counters.stores}  evictions {counters.evictions}"
-        f"  rows {counters.rows_used}/{counters.capacity_rows}"
+        "  rows per group "
+        + ", ".join(
+            f"{used}/{capacity}"
+            for used, capacity in zip(
+                counters.group_rows_used, counters.group_capacity_rows, strict=True
+            )
+        )
     )
     copy_s = stress.copy_seconds
     print(

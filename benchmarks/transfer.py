@@ -695,7 +695,7 @@ def run_models(args: argparse.Namespace, torch: Any, device: str = "cuda") -> di
     )
     layout = (
         f"vLLM allocator layouts, F = {args.blocks_per_chunk}, random block ids, catalog CPU "
-        f"rows, {args.gib} GiB jobs"
+        f"rows per group (each group's rows at its own pitch), {args.gib} GiB jobs"
     )
     print(f"jobs: {layout}")
     header = (
@@ -727,7 +727,7 @@ def run_models(args: argparse.Namespace, torch: Any, device: str = "cuda") -> di
                 executor_name,
                 kv_caches=kv,
                 blocks_per_chunk=f,
-                num_rows=max(moved) // f,
+                num_rows=[m // f for m in moved],  # each group's own rows, at its own pitch
                 **options,
             )
             try:

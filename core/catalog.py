@@ -17,7 +17,6 @@ import attrs
 import numpy as np
 
 from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
-from kvferry.core.checks import at_least
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.eviction import EvictionPolicyKind, make_policy
 from kvferry.core.keys import KeyStatus, OffloadKey
@@ -27,24 +26,71 @@ _MISS = KeyStatus.MISS
 _PENDING = KeyStatus.PENDING
 
 
-def rows_for_budget(budget_bytes: int, bytes_per_row: int) -> int:
-    """Return how many whole CPU rows of `bytes_per_row` bytes (a `KVLayout.row_bytes`) fit in
-    `budget_bytes` bytes."""
-    for field, value, low in (
-        ("budget_bytes", budget_bytes, 0),
-        ("bytes_per_row", bytes_per_row, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InvalidInputError(field=field, expected=f"an integer >= {low}", got=value)
-    return budget_bytes // bytes_per_row
+def _check_int(field: str, value: object, low: int, group: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidInputError(
+            group=group, field=field, expected=f"an integer >= {low}", got=value
+        )
+    return value
+
+
+def rows_for_budget(
+    budget_bytes: int,
+    row_pitches: int | Sequence[int],
+    *,
+    weights: Sequence[int] | None = None,
+) -> tuple[int, ...]:
+    """Return the rows of each group that fit in `budget_bytes` bytes, one row of group `g`
+    taking `row_pitches[g]` bytes (`KVLayout.row_pitches`; one int: one group).
+
+    The rule: every group holds the same number of chunks, `n = budget // sum(pitches)`, since
+    a prefix is served only when every group has its chunks; `weights` (one integer >= 1 per
+    group) give group `g` `weights[g] * n` rows instead, with `n = budget // sum(w * pitch)`.
+    Raise InvalidInputError for a negative budget, a pitch below 1, or weights that are not one
+    integer >= 1 per group.
+    """
+    _check_int("budget_bytes", budget_bytes, 0)
+    pitches = (row_pitches,) if isinstance(row_pitches, int) else tuple(row_pitches)
+    if not pitches:
+        raise InvalidInputError(field="row_pitches", expected="one pitch per group", got=pitches)
+    for g, pitch in enumerate(pitches):
+        _check_int("row_pitches", pitch, 1, g)
+    shares = (1,) * len(pitches) if weights is None else tuple(weights)
+    if len(shares) != len(pitches):
+        raise InvalidInputError(
+            field="weights", expected=f"one weight per group ({len(pitches)})", got=shares
+        )
+    for g, weight in enumerate(shares):
+        _check_int("weights", weight, 1, g)
+    chunks = budget_bytes // sum(w * p for w, p in zip(shares, pitches, strict=True))
+    return tuple(w * chunks for w in shares)
+
+
+def _capacity(value: object) -> int | tuple[int, ...]:
+    return tuple(value) if isinstance(value, list) else value  # type: ignore[return-value]
+
+
+def _check_capacity(
+    instance: object, attribute: attrs.Attribute[int | tuple[int, ...]], value: object
+) -> None:
+    if isinstance(value, tuple) and value:
+        for g, rows in enumerate(value):
+            _check_int(attribute.name, rows, 0, g)
+        return
+    if isinstance(value, tuple):
+        raise InvalidInputError(field=attribute.name, expected="one count per group", got=value)
+    _check_int(attribute.name, value, 0)
 
 
 @attrs.frozen(kw_only=True)
 class CatalogConfig:
     """How big the CPU tier is and how it chooses what to evict."""
 
-    capacity_rows: int = attrs.field(validator=at_least(0))
-    """Rows in the tier (one chunk each); `rows_for_budget` derives it from a byte budget."""
+    capacity_rows: int | tuple[int, ...] = attrs.field(
+        converter=_capacity, validator=_check_capacity
+    )
+    """Rows of each group (one chunk each; every group has its own rows): one count for every
+    group, or one per group; `rows_for_budget` derives them from a byte budget."""
     policy: EvictionPolicyKind = attrs.field(
         default=EvictionPolicyKind.LRU,
         validator=attrs.validators.instance_of(EvictionPolicyKind),
@@ -52,6 +98,27 @@ class CatalogConfig:
     """Which ready keys go first when rows run out."""
     record_events: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     """Keep stored/removed events for `drain_events` (off: nothing accumulates undrained)."""
+
+    def group_rows(self, group: int) -> int:
+        """Return the rows of `group`; raise InvalidInputError for a group the per-group
+        counts do not name."""
+        rows = self.capacity_rows
+        if isinstance(rows, int):
+            return rows
+        if not 0 <= group < len(rows):
+            raise InvalidInputError(
+                group=group,
+                field="capacity_rows",
+                expected=f"a group below {len(rows)} (the tier's groups)",
+                got=group,
+            )
+        return rows[group]
+
+    @property
+    def least_rows(self) -> int:
+        """Return the rows of the group that has the fewest."""
+        rows = self.capacity_rows
+        return rows if isinstance(rows, int) else min(rows)
 
 
 class KeyState(enum.Enum):
@@ -70,7 +137,7 @@ class CatalogEntry:
     state: KeyState
     """Writing or ready."""
     row: int
-    """The key's CPU row."""
+    """The key's CPU row, among its group's rows."""
     pins: int
     """Loads reading the key now (a pinned key is ready and never evicted)."""
 
@@ -111,14 +178,20 @@ class CatalogCounters:
     evictions: int
     """Ready keys evicted to make room."""
     rows_used: int
-    """Rows held now, by writing and ready keys."""
-    capacity_rows: int
-    """Rows in the tier."""
+    """Rows held now, by writing and ready keys, all groups together."""
+    capacity_rows: int | tuple[int, ...]
+    """Rows of each group (`CatalogConfig.capacity_rows`)."""
+    group_rows_used: tuple[int, ...] = ()
+    """Rows held now per group, for every group up to the highest the tier has seen or
+    configures."""
+    group_capacity_rows: tuple[int, ...] = ()
+    """Rows of each group of `group_rows_used`."""
 
 
 @attrs.frozen(kw_only=True)
 class Reservation:
-    """The rows a reservation gave: one per key the tier lacked, in the order asked."""
+    """The rows a reservation gave: one per key the tier lacked, in the order asked (each
+    among its key's group's rows)."""
 
     keys: tuple[OffloadKey, ...]
     """The keys that got a row (now writing); keys already present are left out."""
@@ -163,6 +236,35 @@ def locked_method(method: Callable[Concatenate[_G, _P], _R]) -> Callable[Concate
     return call
 
 
+class _GroupRows:
+    """One group's rows: capacity, free list, next never-used row, rows held, its policy."""
+
+    __slots__ = ("capacity", "freed", "next_fresh", "policy", "used")
+
+    def __init__(self, capacity: int, policy: EvictionPolicyKind) -> None:
+        self.capacity = capacity
+        self.policy = make_policy(policy, capacity)
+        self.freed: list[int] = []
+        self.next_fresh = 0
+        self.used = 0
+
+    def take(self) -> int:
+        self.used += 1
+        if self.freed:
+            return self.freed.pop()
+        row = self.next_fresh
+        self.next_fresh += 1
+        return row
+
+    def give_back(self, row: int) -> None:
+        self.used -= 1
+        self.freed.append(row)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
 def _by_group(keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
     grouped: dict[int, list[OffloadKey]] = {}
     for key in keys:
@@ -172,6 +274,9 @@ def _by_group(keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
 
 class Catalog:
     """The CPU tier's bookkeeping: rows, key states, pins, eviction, events and counters.
+
+    Every group has its own rows (`CatalogConfig.group_rows`), free list and eviction policy:
+    a key takes a row of its group, and making room evicts only keys of the same group.
 
     It is a `StoreTierView` (and so a `KeyStatusView`): the planner may read it directly.
     Every changing method either does all it says or raises and changes nothing.
@@ -186,17 +291,19 @@ class Catalog:
             raise InvalidInputError(field="config", expected="a CatalogConfig", got=config)
         self._lock = lock
         self._config = config
-        self._policy = make_policy(config.policy, config.capacity_rows)
+        self._groups: dict[int, _GroupRows] = {}
+        """Per group seen (or configured), its rows; made on first use."""
+        if isinstance(config.capacity_rows, tuple):
+            for g in range(len(config.capacity_rows)):
+                self._group(g)
         self._status: dict[OffloadKey, KeyStatus] = {}
         """HIT for ready keys, PENDING for writing ones: `statuses` is one dict lookup a key."""
         self._rows: dict[OffloadKey, int] = {}
         self._pins: dict[OffloadKey, int] = {}
         self._writing: dict[OffloadKey, tuple[int, str | None]] = {}
         """Per writing key: the token position its chunk ends at, and the storing request."""
-        self._freed: list[int] = []
         self._doomed: set[OffloadKey] = set()
         """Ready keys to drop once their last pin is released (a load of them failed)."""
-        self._next_fresh = 0
         self._events: list[CatalogEvent] = []
         self._hits = self._misses = self._stores = self._failed = self._evictions = 0
 
@@ -220,21 +327,24 @@ class Catalog:
         self._lock = lock
 
     @property
-    def capacity_rows(self) -> int:
-        """Return the number of rows in the tier."""
+    def capacity_rows(self) -> int | tuple[int, ...]:
+        """Return the rows of each group (`CatalogConfig.capacity_rows`)."""
         return self._config.capacity_rows
+
+    def group_capacity(self, group: int) -> int:
+        """Return the rows of `group` (InvalidInputError for a group the tier lacks)."""
+        return self._config.group_rows(group)
 
     @property
     @locked_method
     def rows_used(self) -> int:
-        """Return the number of rows held by writing and ready keys."""
+        """Return the number of rows held by writing and ready keys, all groups together."""
         return len(self._rows)
 
-    @property
     @locked_method
-    def free_rows(self) -> int:
-        """Return the number of rows no key holds."""
-        return self._config.capacity_rows - len(self._rows)
+    def free_rows(self, group: int) -> int:
+        """Return the number of rows of `group` no key holds."""
+        return self._group(group).free
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -274,8 +384,11 @@ class Catalog:
 
     @locked_method
     def counters(self) -> CatalogCounters:
-        """Return the running totals and the rows in use now."""
+        """Return the running totals and the rows in use now (in all and per group)."""
+        known = range(max(self._groups, default=-1) + 1)
         return CatalogCounters(
+            group_rows_used=tuple(self._group(g).used for g in known),
+            group_capacity_rows=tuple(self._group(g).capacity for g in known),
             hits=self._hits,
             misses=self._misses,
             stores=self._stores,
@@ -302,20 +415,47 @@ class Catalog:
         asked = dict.fromkeys(keys)
         status = self._status
         new = [key for key in asked if key not in status]
-        need = len(new) - self.free_rows
-        if need <= 0:
+        if isinstance(self._config.capacity_rows, tuple) and new:  # refuse an unknown group
+            self._group(max(key.group for key in new))
+        if len(new) <= self._least_free():
             return new, []
         pins = self._pins
-        victims = self._policy.choose(need, lambda key: key in pins or key in asked)
-        if victims is None:
-            raise _NoRoomError
+        victims: list[OffloadKey] = []
+        for g, group_new in _by_group(new).items():
+            rows = self._group(g)
+            need = len(group_new) - rows.free
+            if need <= 0:
+                continue
+            chosen = rows.policy.choose(need, lambda key: key in pins or key in asked)
+            if chosen is None:
+                raise _NoRoomError
+            victims += chosen
         return new, victims
+
+    def _least_free(self) -> int:
+        """Return the free rows of the group with the fewest (groups unseen yet: all free)."""
+        free = min((rows.free for rows in self._groups.values()), default=-1)
+        unseen = self._config.least_rows
+        return unseen if free < 0 else min(free, unseen)
+
+    def _group(self, group: int) -> _GroupRows:
+        rows = self._groups.get(group)
+        if rows is None:
+            rows = _GroupRows(self._config.group_rows(group), self._config.policy)
+            self._groups[group] = rows
+        return rows
+
+    def _touch(self, keys: Sequence[OffloadKey], request: str | None) -> None:
+        """Tell each group's policy of its keys (and every policy of `request`'s activity)."""
+        grouped = _by_group(keys)
+        for g, rows in self._groups.items():
+            rows.policy.touch(grouped.get(g, ()), request=request)
 
     @locked_method
     def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
         """Return True when every key of `keys` that is absent can get a row, evicting only
         ready, unpinned keys outside `keys` (what `reserve` would do; nothing changes)."""
-        if len(keys) <= self.free_rows:  # room even if every key is absent: no search
+        if len(keys) <= self._least_free():  # room even if every key is absent: no search
             return True
         try:
             self._victims(keys)
@@ -361,7 +501,7 @@ class Catalog:
         except _NoRoomError:
             return None
         present_ready = [key for key in keys if self._status.get(key) is _HIT]
-        self._policy.touch(present_ready, request=request)
+        self._touch(present_ready, request)
         if victims:  # the touch may reorder the candidates, never their number
             new, victims = self._victims(keys)
         for key in victims:
@@ -371,7 +511,7 @@ class Catalog:
         position_of = dict(zip(keys, positions, strict=True)) if positions is not None else {}
         rows = []
         for key in new:
-            row = self._take_row()
+            row = self._group(key.group).take()
             self._rows[key] = row
             self._status[key] = _PENDING
             self._writing[key] = (position_of.get(key, 0), request)
@@ -398,14 +538,14 @@ class Catalog:
             for key in keys:
                 position, request = writing.pop(key)
                 self._status[key] = _HIT
-                self._policy.admit(key, position=position, request=request)
+                self._groups[key.group].policy.admit(key, position=position, request=request)
             self._stores += len(keys)
             self._record(EventKind.STORED, keys)
         else:
             for key in keys:
                 del writing[key]
                 del self._status[key]
-                self._freed.append(self._rows.pop(key))
+                self._groups[key.group].give_back(self._rows.pop(key))
             self._failed += len(keys)
 
     # -- loads ---------------------------------------------------------------------------------
@@ -431,7 +571,7 @@ class Catalog:
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
         self._hits += len(keys)
-        self._policy.touch(keys, request=request)
+        self._touch(keys, request)
         rows = self._rows
         return frozen_ids(np.fromiter((rows[key] for key in keys), dtype=np.int64, count=len(keys)))
 
@@ -476,8 +616,9 @@ class Catalog:
         for key in keys:
             self._doomed.discard(key)
             del self._status[key]
-            self._freed.append(self._rows.pop(key))
-            self._policy.remove(key)
+            rows = self._groups[key.group]
+            rows.give_back(self._rows.pop(key))
+            rows.policy.remove(key)
         if keys:
             self._record(EventKind.REMOVED, keys)
 
@@ -500,24 +641,19 @@ class Catalog:
         self._rows.clear()
         self._pins.clear()
         self._writing.clear()
-        self._freed.clear()
         self._doomed.clear()
-        self._next_fresh = 0
-        self._policy.clear()
+        for rows in self._groups.values():
+            rows.freed.clear()
+            rows.next_fresh = rows.used = 0
+            rows.policy.clear()
 
     # -- private -------------------------------------------------------------------------------
 
-    def _take_row(self) -> int:
-        if self._freed:
-            return self._freed.pop()
-        row = self._next_fresh
-        self._next_fresh += 1
-        return row
-
     def _evict(self, key: OffloadKey) -> None:
         del self._status[key]
-        self._freed.append(self._rows.pop(key))
-        self._policy.remove(key)
+        rows = self._groups[key.group]
+        rows.give_back(self._rows.pop(key))
+        rows.policy.remove(key)
         self._evictions += 1
 
     def _record(self, kind: EventKind, keys: Iterable[OffloadKey]) -> None:

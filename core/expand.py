@@ -6,6 +6,7 @@ addresses are plain integers, so one expansion serves every executor. It never c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -15,7 +16,7 @@ import numpy.typing as npt
 from kvferry.core.arrays import IdArray
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
-from kvferry.core.layout import KVLayout
+from kvferry.core.layout import KVLayout, TierLayout
 from kvferry.core.plan import Direction, chunks_spanned
 
 BoolArray = npt.NDArray[np.bool_]
@@ -41,7 +42,8 @@ class PageCopies:
     gpu_address: IdArray = attrs.field(converter=_readonly, eq=False)
     """Absolute address of the page on the GPU side."""
     cpu_offset: IdArray = attrs.field(converter=_readonly, eq=False)
-    """Byte offset of the slot from the start of the CPU tier."""
+    """Byte offset of the slot from the start of the CPU tier (its group's region, row and
+    slot: `TierLayout.row_offset` plus the slot's place in the row)."""
     nbytes: IdArray = attrs.field(converter=_readonly, eq=False)
     """Bytes to copy (the ref's `page_bytes`)."""
     key_index: IdArray = attrs.field(converter=_readonly, eq=False)
@@ -80,14 +82,18 @@ class CopyList:
         return len(self.nbytes)
 
 
-def check_bound(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = None) -> int:
+def check_bound(
+    bound: BoundPlan, layout: KVLayout, *, num_rows: int | Sequence[int] | None = None
+) -> int:
     """Return the bytes `bound` moves against `layout`, after checking that it fits.
 
-    Group `g` with `n = group_sizes[g] > 0` consumes `n` GPU ids and `ceil((n + skip) / F)` rows,
-    with `skip = block_indices[g] % F`. Every id and row must be consumed exactly, ids must index
-    every ref of the group, rows must lie below `num_rows` (when given), and a store may not
-    write a row twice: otherwise PlanInvariantError names the group. Costs O(ids + rows) in
-    numpy, never a step per page, so a GPU executor can afford it on every submit.
+    Group `g` with `n = group_sizes[g] > 0` consumes `n` GPU ids and `ceil((n + skip) / F)` rows
+    of its own (every group has its own row ids), with `skip = block_indices[g] % F`. Every id
+    and row must be consumed exactly, ids must index every ref of the group, rows must lie below
+    the group's `num_rows` (one count for every group, or one per group; when given), and a
+    store may not write a row of a group twice: otherwise PlanInvariantError names the group.
+    Costs O(ids + rows) in numpy, never a step per page, so a GPU executor can afford it on
+    every submit.
     """
     plan = bound.plan
     f = layout.blocks_per_chunk
@@ -102,6 +108,8 @@ def check_bound(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = No
         fail("blocks_per_chunk", f"{f} (the layout's F)", plan.blocks_per_chunk)
     if plan.num_groups != layout.num_groups:
         fail("group_sizes", f"{layout.num_groups} groups (the layout's)", plan.num_groups)
+    limits = None if num_rows is None else layout.tier(num_rows).rows
+    store = plan.direction is Direction.STORE
     id_start = key_start = total = 0
     for g, (n, first) in enumerate(zip(plan.group_sizes, plan.block_indices, strict=True)):
         skip = first % f
@@ -118,33 +126,35 @@ def check_bound(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = No
             continue
         if int(ids.max()) >= layout.groups[g].num_blocks:
             fail("gpu_block_ids", f"ids below {layout.groups[g].num_blocks}", int(ids.max()), g)
-        if num_rows is not None and int(rows.max()) >= num_rows:
-            fail("cpu_rows", f"rows below {num_rows} (the tier's)", int(rows.max()), g)
+        if limits is not None and int(rows.max()) >= limits[g]:
+            fail(
+                "cpu_rows", f"rows below {limits[g]} (the group's in the tier)", int(rows.max()), g
+            )
+        if store and not bool((rows[1:] > rows[:-1]).all()):
+            ordered = np.sort(rows)  # only when not already increasing (a fresh tier's rows are)
+            if bool((ordered[1:] == ordered[:-1]).any()):
+                fail("cpu_rows", "distinct rows (a store writes each row once)", rows.tolist(), g)
         total += n * layout.groups[g].block_copy_bytes
     if id_start != len(plan.gpu_block_ids):
         fail("gpu_block_ids", f"{id_start} ids in all", len(plan.gpu_block_ids))
     if key_start != len(bound.cpu_rows):
         fail("cpu_rows", f"{key_start} rows in all", len(bound.cpu_rows))
-    rows = bound.cpu_rows
-    if plan.direction is Direction.STORE and not bool((rows[1:] > rows[:-1]).all()):
-        ordered = np.sort(rows)  # only when not already increasing (a fresh tier's rows are)
-        if bool((ordered[1:] == ordered[:-1]).any()):
-            fail(
-                "cpu_rows", "distinct rows (a store writes each row once)", bound.cpu_rows.tolist()
-            )
     return total
 
 
-def expand_pages(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = None) -> PageCopies:
-    """Return the page copies of `bound` against `layout`, in CPU-row order.
+def expand_pages(bound: BoundPlan, layout: KVLayout, tier: TierLayout) -> PageCopies:
+    """Return the page copies of `bound` against `layout` and the CPU `tier`, in CPU-row order.
 
-    `check_bound` checks the plan first (and raises what it raises). Group `g`'s page `k` lands
-    in slot `(skip + k) % F` of row `(skip + k) // F`.
+    `check_bound` checks the plan first, with the tier's rows (and raises what it raises).
+    Group `g`'s page `k` lands in slot `(skip + k) % F` of the group's row `(skip + k) // F`.
     """
-    check_bound(bound, layout, num_rows=num_rows)
+    if tier.pitch != layout.row_pitches:
+        raise InvalidInputError(
+            field="tier", expected=f"row pitches {layout.row_pitches} (the layout's)", got=tier
+        )
+    check_bound(bound, layout, num_rows=tier.rows)
     plan = bound.plan
     f = layout.blocks_per_chunk
-    row_bytes = layout.row_bytes
     parts: list[tuple[IdArray, ...]] = []
     id_start = key_start = 0
     for g, (n, first) in enumerate(zip(plan.group_sizes, plan.block_indices, strict=True)):
@@ -164,7 +174,7 @@ def expand_pages(bound: BoundPlan, layout: KVLayout, *, num_rows: int | None = N
                 skip=skip,
                 first_key=key_start - n_rows,
                 layout=layout,
-                row_bytes=row_bytes,
+                base=tier.base[g],
             )
         )
     if len(parts) == 1:
@@ -195,13 +205,13 @@ def _expand_group(
     skip: int,
     first_key: int,
     layout: KVLayout,
-    row_bytes: int,
+    base: int,
 ) -> tuple[IdArray, ...]:
     """Return the six columns of one group's pages: a (row, ref, slot) grid, masked to the plan."""
     f = layout.blocks_per_chunk
     group = layout.groups[g]
     n = len(ids)
-    base = np.array([r.address for r in group.refs], np.int64)[None, :, None]
+    address = np.array([r.address for r in group.refs], np.int64)[None, :, None]
     stride = np.array([r.page_stride for r in group.refs], np.int64)[None, :, None]
     size = np.array([r.page_bytes for r in group.refs], np.int64)[None, :, None]
     offset = np.array(group.row_offsets(f), np.int64)[None, :, None]
@@ -212,8 +222,8 @@ def _expand_group(
     row_of = position // f
     slot = position % f
     block = ids[np.clip(position - skip, 0, n - 1)]
-    gpu = base + block * stride
-    cpu = rows[row_of] * row_bytes + offset + slot * size
+    gpu = address + block * stride
+    cpu = base + rows[row_of] * layout.row_pitches[g] + offset + slot * size
 
     def column(values: IdArray) -> IdArray:
         flat: IdArray = np.broadcast_to(values, grid_shape).reshape(-1)
@@ -257,17 +267,20 @@ def merge_starts(
     return np.flatnonzero(np.concatenate(([True], ~joins)))
 
 
-def copy_list(pages: PageCopies, host_address: int, *, piece_bytes: int = 0) -> CopyList:
+def copy_list(
+    pages: PageCopies, host_address: int, *, piece_starts: Sequence[int] = ()
+) -> CopyList:
     """Return the merged `(src, dst, nbytes)` copies of `pages`, with the tier at `host_address`.
 
-    Source and destination follow the direction (a store copies GPU -> CPU). With
-    `piece_bytes > 0` no copy crosses a multiple of it on the CPU side.
+    Source and destination follow the direction (a store copies GPU -> CPU). No copy crosses
+    an offset of `piece_starts` (where separately pinned pieces of the tier begin) on the CPU
+    side.
     """
     cpu = pages.cpu_offset + np.int64(host_address)
     gpu = pages.gpu_address
     breaks = None
-    if piece_bytes > 0:
-        breaks = pages.cpu_offset % piece_bytes == 0
+    if len(piece_starts) > 1:
+        breaks = np.isin(pages.cpu_offset, np.asarray(piece_starts, np.int64))
     if pages.direction is Direction.STORE:
         return merge_copies(gpu, cpu, pages.nbytes, breaks=breaks)
     return merge_copies(cpu, gpu, pages.nbytes, breaks=breaks)

@@ -152,12 +152,70 @@ def _groups_tuple(value: Sequence[GroupLayout]) -> tuple[GroupLayout, ...]:
     return tuple(value)
 
 
+def _rows_tuple(value: object) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise InvalidInputError(field="rows", expected="a sequence of row counts", got=value)
+
+
+def _non_negative_ints(
+    instance: object, attribute: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]
+) -> None:
+    for group, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise InvalidInputError(
+                group=group, field=attribute.name, expected="an integer >= 0", got=item
+            )
+
+
+@attrs.frozen(kw_only=True)
+class TierLayout:
+    """Where each group's CPU rows lie in the tier: every group has its own row ids and region.
+
+    Row `r` of group `g` starts `base[g] + r * pitch[g]` bytes into the tier; a group's rows are
+    packed at its own chunk's size, so consecutive rows of a group are one contiguous run.
+    """
+
+    rows: tuple[int, ...] = attrs.field(converter=_rows_tuple, validator=_non_negative_ints)
+    """Rows of each group."""
+    pitch: tuple[int, ...] = attrs.field(converter=_rows_tuple, validator=_non_negative_ints)
+    """Bytes of one row of each group (its chunk's data: `KVLayout.group_row_bytes`)."""
+    base: tuple[int, ...] = attrs.field(init=False)
+    """Offset of each group's row 0 in the tier: the groups' regions one after another."""
+    nbytes: int = attrs.field(init=False)
+    """Bytes of the whole tier."""
+
+    def __attrs_post_init__(self) -> None:
+        if not self.rows or len(self.pitch) != len(self.rows):
+            raise InvalidInputError(
+                field="rows",
+                expected=f"one row count per group ({len(self.pitch)})",
+                got=self.rows,
+            )
+        base, total = [], 0
+        for rows, pitch in zip(self.rows, self.pitch, strict=True):
+            base.append(total)
+            total += rows * pitch
+        object.__setattr__(self, "base", tuple(base))
+        object.__setattr__(self, "nbytes", total)
+
+    @property
+    def num_groups(self) -> int:
+        """Return the number of groups."""
+        return len(self.rows)
+
+    def row_offset(self, group: int, row: int) -> int:
+        """Return the byte offset of row `row` of `group` in the tier."""
+        return self.base[group] + row * self.pitch[group]
+
+
 @attrs.frozen(kw_only=True)
 class KVLayout:
     """Every group's refs plus `F`: all an expansion needs to turn a plan into byte copies.
 
-    CPU rows share one id space across groups: a row is `row_bytes` long, the largest group's
-    chunk; a smaller group's chunk leaves the rest of its row unused (see `padding_bytes`).
+    CPU rows are per group: a row of group `g` holds one chunk of that group and is exactly
+    `group_row_bytes(g)` long (its data, no padding); each group has its own row ids and its own
+    region of the tier (`tier`).
     """
 
     blocks_per_chunk: int = attrs.field(validator=at_least(1))
@@ -177,17 +235,33 @@ class KVLayout:
         return len(self.groups)
 
     @functools.cached_property
-    def row_bytes(self) -> int:
-        """Return the size of one CPU row: the largest group's chunk (data bytes, no padding)."""
-        return max(g.row_bytes(self.blocks_per_chunk) for g in self.groups)
+    def row_pitches(self) -> tuple[int, ...]:
+        """Return each group's row size: its chunk's data bytes (`group_row_bytes`)."""
+        return tuple(g.row_bytes(self.blocks_per_chunk) for g in self.groups)
+
+    @functools.cached_property
+    def largest_row_bytes(self) -> int:
+        """Return the largest group's row: what a buffer holding any one chunk needs."""
+        return max(self.row_pitches)
 
     def group_row_bytes(self, group: int) -> int:
-        """Return the bytes of a row that a chunk of `group` uses."""
-        return self.groups[group].row_bytes(self.blocks_per_chunk)
+        """Return the bytes of one row (one chunk) of `group`."""
+        return self.row_pitches[group]
 
-    def padding_bytes(self, group: int) -> int:
-        """Return the bytes of a row that a chunk of `group` leaves unused or never copies."""
-        return self.row_bytes - self.groups[group].chunk_copy_bytes(self.blocks_per_chunk)
+    def tier(self, num_rows: int | Sequence[int]) -> TierLayout:
+        """Return the tier of `num_rows` rows per group (one count for every group, or one per
+        group), its groups' regions one after another. Raise InvalidInputError for counts that
+        are not integers >= 0, one per group."""
+        if isinstance(num_rows, bool):
+            raise InvalidInputError(field="num_rows", expected="an integer >= 0", got=num_rows)
+        rows = (num_rows,) * self.num_groups if isinstance(num_rows, int) else tuple(num_rows)
+        if len(rows) != self.num_groups:
+            raise InvalidInputError(
+                field="num_rows",
+                expected=f"one row count per group ({self.num_groups})",
+                got=num_rows,
+            )
+        return TierLayout(rows=rows, pitch=self.row_pitches)
 
     @functools.cached_property  # every submit compares it
     def fingerprint(self) -> str:

@@ -193,13 +193,18 @@ done:
     return result;
 }
 
-/* Append the link copies of a job whose rows are one consecutive run from `first_row` and whose
- * chunks fill their rows to `stage`, `tier` and `size`: one copy per slice (`n_lines` slices as
- * slice_into lists them), cut at multiples of `per_piece` rows (0: never); `bounds` (batches + 1,
- * zeroed) gets each batch's end. 0, or -1 with an exception. */
-static int run_into(const int64_t *line, Py_ssize_t n_lines, const int64_t *key0,
-                    Py_ssize_t n_groups, Py_ssize_t batches, int64_t first_row, int64_t row_bytes,
-                    int64_t per_piece, Column *stage, Column *tier, Column *size,
+/* Per group of a job (the slices' group index), what its link copies need: its first row, the
+ * offset of its region in the tier, its row pitch and its rows per registered piece (0: one). */
+typedef struct {
+    const int64_t *first_row, *base, *pitch, *per_piece;
+} Runs;
+
+/* Append the link copies of a job whose rows are, in each of its groups, one consecutive run to
+ * `stage`, `tier` and `size`: one copy per slice (`n_lines` slices as slice_into lists them), cut
+ * at multiples of the group's `per_piece` rows; `bounds` (batches + 1, zeroed) gets each batch's
+ * end. 0, or -1 with an exception. */
+static int run_into(const int64_t *line, Py_ssize_t n_lines, Py_ssize_t n_groups,
+                    Py_ssize_t batches, Runs runs, Column *stage, Column *tier, Column *size,
                     int64_t *bounds) {
     for (Py_ssize_t i = 0; i < n_lines; i++, line += LINE_WIDTH) {
         int64_t b = line[0], gi = line[1], first = line[2], keys = line[3], at = line[4];
@@ -207,12 +212,13 @@ static int run_into(const int64_t *line, Py_ssize_t n_lines, const int64_t *key0
             PyErr_SetString(PyExc_ValueError, "a slice names a batch or group out of range");
             return -1;
         }
-        int64_t start = first_row + key0[gi] + first, row = start, end = start + keys;
+        int64_t pitch = runs.pitch[gi], per_piece = runs.per_piece[gi], base = runs.base[gi];
+        int64_t start = runs.first_row[gi] + first, row = start, end = start + keys;
         while (row < end) {
             int64_t stop = per_piece ? (row / per_piece + 1) * per_piece : end;
             if (stop > end) stop = end;
-            if (push(stage, at + (row - start) * row_bytes) || push(tier, row * row_bytes) ||
-                push(size, (stop - row) * row_bytes))
+            if (push(stage, at + (row - start) * pitch) || push(tier, base + row * pitch) ||
+                push(size, (stop - row) * pitch))
                 return -1;
             row = stop;
         }
@@ -221,31 +227,40 @@ static int run_into(const int64_t *line, Py_ssize_t n_lines, const int64_t *key0
     return 0;
 }
 
-/* run_copies(lines, key0, batches, first_row, row_bytes, per_piece, store)
+/* run_copies(lines, key0, batches, first_row, base, pitch, per_piece, store)
  *   -> (src, dst, size, bounds)
- * run_into's copies as tuples, from `lines` as slice_batches returns them. */
+ * run_into's copies as tuples, from `lines` as slice_batches returns them; the last four and
+ * `key0` are sequences, one value per group of the job. */
 static PyObject *run_copies(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer lines;
-    PyObject *key0_in;
+    PyObject *key0_in, *per_in[4];
     Py_ssize_t batches;
-    long long first_row, row_bytes, per_piece;
     int store;
-    if (!PyArg_ParseTuple(args, "y*OnLLLp", &lines, &key0_in, &batches, &first_row, &row_bytes,
-                          &per_piece, &store))
+    if (!PyArg_ParseTuple(args, "y*OnOOOOp", &lines, &key0_in, &batches, &per_in[0], &per_in[1],
+                          &per_in[2], &per_in[3], &store))
         return NULL;
-    Py_ssize_t n_groups;
+    Py_ssize_t n_groups, n_per[4] = {0};
     int64_t *key0 = read_ints(key0_in, &n_groups, "key0 must be a sequence");
+    int64_t *per[4] = {NULL};
+    for (int k = 0; k < 4 && key0; k++)
+        if (!(per[k] = read_ints(per_in[k], &n_per[k], "per-group values must be a sequence")))
+            break;
     Column stage = {0}, tier = {0}, size = {0};
     int64_t *bounds = PyMem_Calloc((size_t)batches + 1, sizeof(int64_t));
     PyObject *result = NULL;
-    if (!key0 || !bounds) {
+    if (!key0 || !per[0] || !per[1] || !per[2] || !per[3] || !bounds) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
+    for (int k = 0; k < 4; k++)
+        if (n_per[k] != n_groups) {
+            PyErr_SetString(PyExc_ValueError, "the per-group values must be one per group");
+            goto done;
+        }
     Py_ssize_t n_lines = lines.len / (Py_ssize_t)(LINE_WIDTH * sizeof(int64_t));
-    if (run_into(lines.buf, n_lines, key0, n_groups, batches, first_row, row_bytes, per_piece,
-                 &stage, &tier, &size, bounds))
+    Runs runs = {per[0], per[1], per[2], per[3]};
+    if (run_into(lines.buf, n_lines, n_groups, batches, runs, &stage, &tier, &size, bounds))
         goto done;
     const Column *src = store ? &stage : &tier, *dst = store ? &tier : &stage;
     result = Py_BuildValue("(NNNN)", as_tuple(src->data, src->len),
@@ -254,6 +269,7 @@ static PyObject *run_copies(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&lines);
     PyMem_Free(key0);
+    for (int k = 0; k < 4; k++) PyMem_Free(per[k]);
     PyMem_Free(bounds);
     PyMem_Free(stage.data);
     PyMem_Free(tier.data);
@@ -310,14 +326,15 @@ static int64_t most(const int64_t *values, Py_ssize_t n) {
  * (the same rule, in one pass); -1 when one fails or this cannot tell (ids or rows that are
  * not int64 and contiguous, or a store whose rows do not increase), and the caller then runs
  * check_bound itself, which raises its error or returns the bytes. `num_blocks` and
- * `copy_bytes` are the layout's per group, `num_rows` the tier's (negative: unchecked). */
+ * `copy_bytes` are the layout's per group, `num_rows` the tier's per group (empty: unchecked);
+ * a store's rows must increase within each group (every group has its own rows). */
 static PyObject *bound_bytes(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *ids_in, *rows_in, *sizes_in, *firsts_in, *blocks_in, *bytes_in;
-    long long plan_f, f, num_rows;
+    PyObject *ids_in, *rows_in, *sizes_in, *firsts_in, *blocks_in, *bytes_in, *limits_in;
+    long long plan_f, f;
     int store;
-    if (!PyArg_ParseTuple(args, "OOOOLLOOLp", &ids_in, &rows_in, &sizes_in, &firsts_in,
-                          &plan_f, &f, &blocks_in, &bytes_in, &num_rows, &store))
+    if (!PyArg_ParseTuple(args, "OOOOLLOOOp", &ids_in, &rows_in, &sizes_in, &firsts_in,
+                          &plan_f, &f, &blocks_in, &bytes_in, &limits_in, &store))
         return NULL;
     Py_buffer ids_view, rows_view;
     int have_ids = int64_view(ids_in, &ids_view);
@@ -327,18 +344,19 @@ static PyObject *bound_bytes(PyObject *self, PyObject *args) {
         PyBuffer_Release(&ids_view);
         return NULL;
     }
-    Py_ssize_t n_groups = 0, n_firsts = 0, n_blocks = 0, n_bytes = 0;
-    int64_t *sizes = NULL, *firsts = NULL, *blocks = NULL, *bytes = NULL;
+    Py_ssize_t n_groups = 0, n_firsts = 0, n_blocks = 0, n_bytes = 0, n_limits = 0;
+    int64_t *sizes = NULL, *firsts = NULL, *blocks = NULL, *bytes = NULL, *limits = NULL;
     int64_t total = -1;
     PyObject *result = NULL;
     if (!have_rows) goto answer; /* not int64 views: check_bound decides */
     if (!(sizes = read_ints(sizes_in, &n_groups, "group_sizes must be a sequence")) ||
         !(firsts = read_ints(firsts_in, &n_firsts, "block_indices must be a sequence")) ||
         !(blocks = read_ints(blocks_in, &n_blocks, "num_blocks must be a sequence")) ||
-        !(bytes = read_ints(bytes_in, &n_bytes, "copy_bytes must be a sequence")))
+        !(bytes = read_ints(bytes_in, &n_bytes, "copy_bytes must be a sequence")) ||
+        !(limits = read_ints(limits_in, &n_limits, "num_rows must be a sequence")))
         goto done;
     if (plan_f != f || f < 1 || n_groups != n_blocks || n_firsts != n_groups ||
-        n_bytes != n_groups)
+        n_bytes != n_groups || (n_limits && n_limits != n_groups))
         goto answer;
     const int64_t *ids = ids_view.buf, *rows = rows_view.buf;
     Py_ssize_t n_ids = ids_view.len / (Py_ssize_t)sizeof(int64_t);
@@ -351,17 +369,16 @@ static PyObject *bound_bytes(PyObject *self, PyObject *args) {
         if (id_start + n > n_ids || key_start + n_rows > n_rows_all) goto answer;
         if (n) {
             if (most(ids + id_start, (Py_ssize_t)n) >= blocks[g]) goto answer;
-            if (num_rows >= 0 && most(rows + key_start, (Py_ssize_t)n_rows) >= num_rows)
-                goto answer;
+            if (n_limits && most(rows + key_start, (Py_ssize_t)n_rows) >= limits[g]) goto answer;
+            if (store)
+                for (int64_t i = key_start + 1; i < key_start + n_rows; i++)
+                    if (rows[i] <= rows[i - 1]) goto answer;
         }
         sum += n * bytes[g];
         id_start += n;
         key_start += n_rows;
     }
     if (id_start != n_ids || key_start != n_rows_all) goto answer;
-    if (store)
-        for (Py_ssize_t i = 1; i < n_rows_all; i++)
-            if (rows[i] <= rows[i - 1]) goto answer;
     total = sum;
 answer:
     result = PyLong_FromLongLong(total);
@@ -370,6 +387,7 @@ done:
     PyMem_Free(firsts);
     PyMem_Free(blocks);
     PyMem_Free(bytes);
+    PyMem_Free(limits);
     if (have_rows) PyBuffer_Release(&rows_view);
     if (have_ids) PyBuffer_Release(&ids_view);
     return result;
@@ -1109,7 +1127,8 @@ static PyTypeObject SubmitterType = {
 };
 
 /* What stage_job knows of a layout group (StagePlanner.job_constants). */
-enum { R_FIRST_REF, R_REFS, R_PAGE_PIECES, R_PAGE_BYTES, R_SIZE, R_DENSE, R_WIDTH };
+enum { R_FIRST_REF, R_REFS, R_PAGE_PIECES, R_PAGE_BYTES, R_SIZE, R_DENSE, R_BASE, R_PER_PIECE,
+       R_WIDTH };
 
 /* stage_job(constants, first, compute, previous, start, end, slot, ids, rows, group_sizes,
  *           block_indices, submitter=None, ready=None)
@@ -1124,7 +1143,7 @@ enum { R_FIRST_REF, R_REFS, R_PAGE_PIECES, R_PAGE_BYTES, R_SIZE, R_DENSE, R_WIDT
  * this function's specification: tests/executors/test_stage_job.py holds the two to the same
  * calls and tables.
  * `constants`: (driver, lanes, stages, (ready, uploaded, joined), TableCopy, host, store,
- *   most blocks, warps, (capacity, ramp, f, row_bytes, per_piece, ref_values, groups)), with
+ *   most blocks, warps, (capacity, ramp, f, ref_values, groups)), with
  *   one R_WIDTH tuple per layout group in `groups`;
  * `slot`: (view, its address, its GPU tables' address, the StageKernel of the slot's jobs);
  * `ids`, `rows`: int64 buffers (anything else is declined), checked by the caller.
@@ -1153,12 +1172,12 @@ static PyObject *stage_job(PyObject *self, PyObject *args) {
     }
     PyObject *driver_in, *table_in, *groups_in, *slot_view_in, *kernel_in;
     unsigned long long lanes_in[2], stages_in[2], host, slot_address, tables;
-    long long most, warps, capacity, ramp, f, row_bytes, per_piece, ref_values;
+    long long most, warps, capacity, ramp, f, ref_values;
     int store;
-    if (!PyArg_ParseTuple(constants, "O(KK)(KK)(OOO)OKpLL(LLLLLLO)", &driver_in, &lanes_in[0],
+    if (!PyArg_ParseTuple(constants, "O(KK)(KK)(OOO)OKpLL(LLLLO)", &driver_in, &lanes_in[0],
                           &lanes_in[1], &stages_in[0], &stages_in[1], &events[0], &events[3],
                           &events[4], &table_in, &host, &store, &most, &warps, &capacity, &ramp,
-                          &f, &row_bytes, &per_piece, &ref_values, &groups_in) ||
+                          &f, &ref_values, &groups_in) ||
         !PyArg_ParseTuple(slot_in, "OKKO", &slot_view_in, &slot_address, &tables, &kernel_in))
         return NULL;
     if (ready_in != Py_None) events[0] = ready_in; /* the job's own, not the direction's */
@@ -1172,7 +1191,7 @@ static PyObject *stage_job(PyObject *self, PyObject *args) {
     Py_buffer ids_view, rows_view, slot_view;
     int have_ids = 0, have_rows = 0, have_slot = 0;
     Py_ssize_t n_groups = 0, n_firsts = 0;
-    int64_t *sizes = NULL, *firsts = NULL, *key0 = NULL, *link = NULL;
+    int64_t *sizes = NULL, *firsts = NULL, *key0 = NULL, *link = NULL, *runs_at = NULL;
     int64_t(*g)[G_WIDTH] = NULL;
     Column slices = {0}, lines = {0}, bounds = {0}, stage_bytes = {0}, items = {0},
            nbytes = {0}, stage = {0}, tier = {0}, size = {0};
@@ -1193,12 +1212,12 @@ static PyObject *stage_job(PyObject *self, PyObject *args) {
     const int64_t *ids = ids_view.buf, *rows = rows_view.buf;
     Py_ssize_t n_ids = ids_view.len / (Py_ssize_t)sizeof(int64_t);
     Py_ssize_t n_rows = rows_view.len / (Py_ssize_t)sizeof(int64_t);
-    for (Py_ssize_t i = 1; i < n_rows; i++)
-        if (rows[i] != rows[i - 1] + 1) goto decline;
     /* the groups the plan moves, as StagePlanner._groups lists them */
     g = PyMem_Malloc((size_t)(n_groups ? n_groups : 1) * sizeof(*g));
     key0 = PyMem_Malloc((size_t)(n_groups ? n_groups : 1) * sizeof(int64_t));
-    if (!g || !key0) {
+    /* per group moved: first row, region offset, pitch, rows per piece (Runs) */
+    runs_at = PyMem_Malloc((size_t)(n_groups ? n_groups : 1) * 4 * sizeof(int64_t));
+    if (!g || !key0 || !runs_at) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1212,8 +1231,16 @@ static PyObject *stage_job(PyObject *self, PyObject *args) {
             int64_t *refs = read_ints(PySequence_Fast_GET_ITEM(groups_fast, i), &width,
                                       "a group must be a sequence");
             if (!refs) goto done;
-            int fits = width == R_WIDTH && refs[R_SIZE] == row_bytes &&
+            int fits = width == R_WIDTH && next_key + keys <= n_rows &&
                        (!store || (refs[R_DENSE] && !skip && n == keys * f));
+            for (int64_t k = next_key + 1; fits && k < next_key + keys; k++)
+                fits = rows[k] == rows[k - 1] + 1; /* the group's rows: one run */
+            if (fits) {
+                runs_at[moved] = rows[next_key];
+                runs_at[n_groups + moved] = refs[R_BASE];
+                runs_at[2 * n_groups + moved] = refs[R_SIZE];
+                runs_at[3 * n_groups + moved] = refs[R_PER_PIECE];
+            }
             int64_t *out = g[moved];
             out[G_FIRST_REF] = refs[R_FIRST_REF];
             out[G_REFS] = refs[R_REFS];
@@ -1243,8 +1270,9 @@ static PyObject *stage_job(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (run_into(lines.data, lines.len / LINE_WIDTH, key0, moved, batches,
-                 n_rows ? rows[0] : 0, row_bytes, per_piece, &stage, &tier, &size, link))
+    Runs runs = {runs_at, runs_at + n_groups, runs_at + 2 * n_groups, runs_at + 3 * n_groups};
+    if (run_into(lines.data, lines.len / LINE_WIDTH, moved, batches, runs, &stage, &tier, &size,
+                 link))
         goto done;
     int64_t *view = slot_view.buf;
     if (n_ids) memcpy(view + ref_values, ids, (size_t)n_ids * sizeof(int64_t));
@@ -1283,6 +1311,7 @@ done:
     PyMem_Free(sizes);
     PyMem_Free(firsts);
     PyMem_Free(key0);
+    PyMem_Free(runs_at);
     PyMem_Free(link);
     PyMem_Free(g);
     Column *columns[] = {&slices, &lines, &bounds, &stage_bytes, &items,

@@ -12,9 +12,10 @@ def run_copies(
     lines: bytes,
     key0: Sequence[int],
     batches: int,
-    first_row: int,
-    row_bytes: int,
-    per_piece: int,
+    first_row: Sequence[int],
+    base: Sequence[int],
+    pitch: Sequence[int],
+    per_piece: Sequence[int],
     store: bool,
     /,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]: ...
@@ -28,7 +29,7 @@ def bound_bytes(
     f: int,
     num_blocks: Sequence[int],
     copy_bytes: Sequence[int],
-    num_rows: int,
+    num_rows: Sequence[int],
     store: bool,
     /,
 ) -> int: ...

@@ -145,30 +145,36 @@ def _runs_into(  # noqa: PLR0917 (as executors/_native.c's, function for functio
     lines: Sequence[int],
     key0: Sequence[int],
     batches: int,
-    first_row: int,
-    row_bytes: int,
-    per_piece: int,
+    first_row: Sequence[int],
+    base: Sequence[int],
+    pitch: Sequence[int],
+    per_piece: Sequence[int],
 ) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Return the link copies of a job whose rows are one consecutive run from `first_row` and
-    whose chunks fill their rows, as (stage offsets, tier offsets, sizes, each batch's end):
-    one copy per slice, cut at multiples of `per_piece` rows (0: never). Raises ValueError for
-    a slice naming a batch or group out of range."""
+    """Return the link copies of a job whose rows are, in each of its groups, one consecutive
+    run, as (stage offsets, tier offsets, sizes, each batch's end). Per group of the job (the
+    slices' group index): its first key, its first row, its region's offset in the tier, its
+    row pitch and its rows per registered piece (0: one piece). One copy per slice, cut at
+    multiples of the group's `per_piece` rows. Raises ValueError for a slice naming a batch or
+    group out of range, or per-group values of unequal lengths."""
     stage: list[int] = []
     tier: list[int] = []
     size: list[int] = []
     bounds = [0] * (batches + 1)
     n_groups = len(key0)
+    if not len(first_row) == len(base) == len(pitch) == len(per_piece) == n_groups:
+        raise ValueError("the per-group values must be one per group")
     for i in range(0, len(lines) - LINE_WIDTH + 1, LINE_WIDTH):
         b, gi, first, keys, at = lines[i : i + LINE_WIDTH]
         if not (0 <= b < batches and 0 <= gi < n_groups):
             raise ValueError("a slice names a batch or group out of range")
-        start = first_row + key0[gi] + first
+        bytes_per_row, piece, origin = pitch[gi], per_piece[gi], base[gi]
+        start = first_row[gi] + first
         row, end = start, start + keys
         while row < end:
-            stop = min((row // per_piece + 1) * per_piece, end) if per_piece else end
-            stage.append(at + (row - start) * row_bytes)
-            tier.append(row * row_bytes)
-            size.append((stop - row) * row_bytes)
+            stop = min((row // piece + 1) * piece, end) if piece else end
+            stage.append(at + (row - start) * bytes_per_row)
+            tier.append(origin + row * bytes_per_row)
+            size.append((stop - row) * bytes_per_row)
             row = stop
         bounds[b + 1] = len(size)
     return stage, tier, size, bounds
@@ -178,16 +184,17 @@ def run_copies(  # noqa: PLR0917 (the compiled module's signature)
     lines: bytes,
     key0: Sequence[int],
     batches: int,
-    first_row: int,
-    row_bytes: int,
-    per_piece: int,
+    first_row: Sequence[int],
+    base: Sequence[int],
+    pitch: Sequence[int],
+    per_piece: Sequence[int],
     store: bool,
     /,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Return `_runs_into`'s copies as (src, dst, size, bounds) tuples, from `lines` as
     `slice_batches` returns them."""
     stage, tier, size, bounds = _runs_into(
-        _int64(lines), key0, batches, first_row, row_bytes, per_piece
+        _int64(lines), key0, batches, first_row, base, pitch, per_piece
     )
     src, dst = (stage, tier) if store else (tier, stage)
     return tuple(src), tuple(dst), tuple(size), tuple(bounds)
@@ -219,7 +226,7 @@ def bound_bytes(  # noqa: PLR0917 (the compiled module's signature)
     f: int,
     num_blocks: Sequence[int],
     copy_bytes: Sequence[int],
-    num_rows: int,
+    num_rows: Sequence[int],
     store: bool,
     /,
 ) -> int:
@@ -528,9 +535,51 @@ class Submitter:
 
 # --- a common job, planned and queued in one call --------------------------------------------
 
-_R_WIDTH = 6
+_R_WIDTH = 8
 """Fields of a layout group in `StagePlanner.job_constants`: first ref, refs, pieces and bytes
-per page, row bytes, whether its pages are unpadded."""
+per page, row bytes (its pitch), whether its pages are unpadded, the offset of its region in the
+tier, its rows per registered piece of the tier (0: one piece)."""
+
+
+def _moved_groups(  # noqa: PLR0917 (stage_job's inputs, in its order)
+    rows: IdArray,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    layout_groups: Sequence[Sequence[int]],
+    f: int,
+    store: bool,
+    n_ids: int,
+) -> tuple[list[tuple[int, ...]], tuple[list[int], ...]] | None:
+    """Return the groups a common staged job moves, as StagePlanner._groups lists them, and per
+    group its first key, first row, region offset, pitch and rows per piece (`_runs_into`'s
+    per-group values); None for a job `stage_job` leaves to the Python path."""
+    groups: list[tuple[int, ...]] = []
+    runs: tuple[list[int], ...] = ([], [], [], [], [])
+    next_key = next_id = 0
+    for n, index, refs in zip(group_sizes, block_indices, layout_groups, strict=True):
+        skip = index % f
+        keys = (n + skip + f - 1) // f if n > 0 else 0
+        if keys:
+            if len(refs) != _R_WIDTH:
+                return None
+            first_ref, n_refs, pieces, page_bytes, size, dense, base, per_piece = refs
+            if store and not (dense and not skip and n == keys * f):
+                return None  # rows it fills in part, or pages copied one by one
+            own = rows[next_key : next_key + keys]
+            if len(own) != keys or (keys > 1 and bool((own[1:] - own[:-1] != 1).any())):
+                return None  # rows of the group that are not one run
+            groups.append(
+                (first_ref, n_refs, pieces, page_bytes, n, skip, keys, next_key, next_id, size)
+            )
+            for column, value in zip(
+                runs, (next_key, int(own[0]), base, size, per_piece), strict=True
+            ):
+                column.append(value)
+        next_key += keys
+        next_id += n
+    if next_key != len(rows) or next_id != n_ids:
+        return None
+    return groups, runs
 
 
 def stage_job(  # noqa: PLR0917 (the compiled module's signature)
@@ -550,8 +599,8 @@ def stage_job(  # noqa: PLR0917 (the compiled module's signature)
     /,
 ) -> tuple[int, Failure]:
     """Plan and queue a common staged job in one call, as the compiled module's `stage_job`
-    documents it: for a job whose rows are one consecutive run, every group it moves filling its
-    rows and, for a store, its chunks whole and its pages unpadded, it plans as
+    documents it: for a job whose rows are one consecutive run in each group it moves and, for a
+    store, its chunks whole and its pages unpadded, it plans as
     StagePlanner.plan, writes the ids and slice table into the slot's view after the ref table,
     and queues the job (or, with `submitter`, records `ready` on the compute stream and hands
     the rest to the thread as its next ticket); it returns the job's batches and the answer.
@@ -567,7 +616,7 @@ def stage_job(  # noqa: PLR0917 (the compiled module's signature)
         store,
         most,
         warps,
-        (capacity, ramp, f, row_bytes, per_piece, ref_values, layout_groups),
+        (capacity, ramp, f, ref_values, layout_groups),
     ) = constants
     view, slot_address, tables, kernel = slot
     if submitter is not None and not isinstance(submitter, Submitter):
@@ -580,38 +629,18 @@ def stage_job(  # noqa: PLR0917 (the compiled module's signature)
     n_groups = len(group_sizes)
     if len(block_indices) != n_groups or len(layout_groups) != n_groups or f < 1:
         return -1, None
-    n_rows = len(rows)
-    if n_rows > 1 and bool((rows[1:] - rows[:-1] != 1).any()):
+    moved = _moved_groups(rows, group_sizes, block_indices, layout_groups, f, store, len(ids))
+    if moved is None:
         return -1, None
-    # the groups the plan moves, as StagePlanner._groups lists them
-    groups: list[tuple[int, ...]] = []
-    key0: list[int] = []
-    next_key = next_id = 0
-    for n, index, refs in zip(group_sizes, block_indices, layout_groups, strict=True):
-        skip = index % f
-        keys = (n + skip + f - 1) // f if n > 0 else 0
-        if keys:
-            if len(refs) != _R_WIDTH:
-                return -1, None
-            first_ref, n_refs, pieces, page_bytes, size, dense = refs
-            if size != row_bytes or (store and not (dense and not skip and n == keys * f)):
-                return -1, None  # rows it fills in part, or pages copied one by one
-            groups.append(
-                (first_ref, n_refs, pieces, page_bytes, n, skip, keys, next_key, next_id, size)
-            )
-            key0.append(next_key)
-        next_key += keys
-        next_id += n
+    groups, (key0, first_rows, bases, pitches, per_pieces) = moved
     n_ids = len(ids)
-    if next_key != n_rows or next_id != n_ids:
-        return -1, None
     slices, lines, bounds, _, items, _ = _slice_into(groups, store, capacity, ramp, f)
     values = ref_values + n_ids + len(slices)
     if values * 8 > view.nbytes:
         return -1, None
     batches = len(items)
     stage, tier, size, link = _runs_into(
-        lines, key0, batches, int(rows[0]) if n_rows else 0, row_bytes, per_piece
+        lines, key0, batches, first_rows, bases, pitches, per_pieces
     )
     view[ref_values : ref_values + n_ids] = ids
     view[ref_values + n_ids : values] = slices

@@ -59,6 +59,9 @@ class Executor(abc.ABC):
 
     `submit` returns at once; every job is reported exactly once, by `poll` or `wait`.
 
+    `num_rows` is the host tier's rows of each group: one count for every group, or one per
+    group (every group has its own rows, at its own pitch: `KVLayout.tier`).
+
     `route` picks the code of the per-job host work (`executors.jobcode`): `"native"` (the
     compiled module), `"python"`, or None for the compiled module where it is built (unless
     `KVFERRY_NO_NATIVE=1`). Every route gives the same results.
@@ -74,7 +77,7 @@ class Executor(abc.ABC):
         *,
         kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
-        num_rows: int,
+        num_rows: int | Sequence[int],
         route: str | None = None,
     ) -> None:
         self._code: JobCode = job_code(route)
@@ -85,9 +88,7 @@ class Executor(abc.ABC):
             raise InvalidInputError(
                 field="kv_caches", expected="tensors on one device", got=sorted(devices)
             )
-        self._host = HostTier(
-            num_rows=num_rows, row_bytes=self._layout.row_bytes, registrar=self._registrar()
-        )
+        self._host = HostTier(tier=self._layout.tier(num_rows), registrar=self._registrar())
         self._jobs: dict[int, _Job] = {}
         self._closed = False
         groups = self._layout.groups

@@ -34,7 +34,7 @@ class CpuExecutor(Executor):
         *,
         kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
-        num_rows: int,
+        num_rows: int | Sequence[int],
         route: str | None = None,
     ) -> None:
         super().__init__(
@@ -43,7 +43,9 @@ class CpuExecutor(Executor):
 
     def _enqueue(self, bound: BoundPlan) -> float:
         start = time.perf_counter()
-        copies = copy_list(expand_pages(bound, self.layout), self.host_tier.address)
+        copies = copy_list(
+            expand_pages(bound, self.layout, self.host_tier.tier), self.host_tier.address
+        )
         for src, dst, size in zip(
             copies.src.tolist(), copies.dst.tolist(), copies.nbytes.tolist(), strict=True
         ):

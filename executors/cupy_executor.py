@@ -92,7 +92,7 @@ class CupyExecutor(StagedGpuExecutor):
         *,
         kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
-        num_rows: int,
+        num_rows: int | Sequence[int],
         compute_stream: Any = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,
@@ -186,8 +186,8 @@ class CupyExecutor(StagedGpuExecutor):
         direction = bound.plan.direction
         link = as_cupy_stream(self._cupy, self._lane_handles[direction][0])
         job = self._begin(direction, CopyPath.ZERO_COPY)
-        pages = expand_pages(bound, self.layout)
-        copies = copy_list(pages, self.host_tier.address, piece_bytes=self.host_tier.piece_bytes)
+        pages = expand_pages(bound, self.layout, self.host_tier.tier)
+        copies = copy_list(pages, self.host_tier.address, piece_starts=self.host_tier.piece_starts)
         if self._zero_copy_blocks >= _MAX_BLOCKS:
             copies = split_copies(copies, PIECE_BYTES)
         n = len(copies)

@@ -1,4 +1,4 @@
-"""The CPU tier's memory: one host buffer of exactly `num_rows * row_bytes`, pinned in pieces.
+"""The CPU tier's memory: one host buffer holding every group's rows, pinned in pieces.
 
 Owns the allocation and its (un)registration only; it never decides what goes in a row.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.layout import KVLayout
+from kvferry.core.layout import KVLayout, TierLayout
 
 PIECE_LIMIT = 64 << 30
 """Largest piece registered with the driver in one call (large registrations fail on some)."""
@@ -66,8 +66,17 @@ def split_pieces(nbytes: int, row_bytes: int, limit: int = PIECE_LIMIT) -> list[
     return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
 
 
+def tier_pieces(tier: TierLayout, limit: int = PIECE_LIMIT) -> list[tuple[int, int]]:
+    """Return `(offset, size)` pieces covering `tier`: each group's region cut by
+    `split_pieces` at its own pitch, so no row straddles two pieces."""
+    pieces: list[tuple[int, int]] = []
+    for base, rows, pitch in zip(tier.base, tier.rows, tier.pitch, strict=True):
+        pieces += [(base + at, size) for at, size in split_pieces(rows * pitch, pitch, limit)]
+    return pieces
+
+
 class HostTier:
-    """`num_rows` rows of `row_bytes` in one host buffer (anonymous mmap, page-aligned).
+    """Every group's rows of a `TierLayout` in one host buffer (anonymous mmap, page-aligned).
 
     With a registrar the buffer is pinned piece by piece; `close()` unpins it.
     """
@@ -75,17 +84,24 @@ class HostTier:
     def __init__(
         self,
         *,
-        num_rows: int,
-        row_bytes: int,
+        tier: TierLayout,
         registrar: HostRegistrar | None = None,
         piece_limit: int = PIECE_LIMIT,
     ) -> None:
-        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
-            raise InvalidInputError(field="num_rows", expected="an integer >= 1", got=num_rows)
-        self.num_rows = num_rows
-        self.row_bytes = row_bytes
-        self.nbytes = num_rows * row_bytes
-        asked = f"{num_rows} rows of {row_bytes} bytes = {self.nbytes} bytes"
+        for group, rows in enumerate(tier.rows):
+            if rows < 1:
+                raise InvalidInputError(
+                    group=group, field="num_rows", expected="an integer >= 1", got=rows
+                )
+        self.tier = tier
+        """Where each group's rows lie in the buffer."""
+        self.num_rows = tier.rows
+        """Rows of each group."""
+        self.nbytes = tier.nbytes
+        asked = (
+            " + ".join(f"{r} rows of {p} bytes" for r, p in zip(tier.rows, tier.pitch, strict=True))
+            + f" = {self.nbytes} bytes"
+        )
         if self.nbytes > (memory := host_memory_bytes()):  # checked before allocating anything
             raise InvalidInputError(
                 field="num_rows",
@@ -93,7 +109,10 @@ class HostTier:
                 "cpu_tier_bytes)",
                 got=asked,
             )
-        self.pieces = split_pieces(self.nbytes, row_bytes, piece_limit)
+        self._piece_limit = piece_limit
+        self.pieces = tier_pieces(tier, piece_limit)
+        self.piece_starts = tuple(offset for offset, _ in self.pieces)
+        """Offset of each piece: no copy may cross one (each is registered on its own)."""
         try:
             self._mmap = mmap.mmap(-1, self.nbytes)
         except OSError as error:
@@ -105,7 +124,7 @@ class HostTier:
         self.array: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
         """The whole tier as a writable uint8 array (no copy)."""
         self.address: int = int(self.array.ctypes.data)
-        """Address of row 0."""
+        """Address of the tier's first byte (group 0's row 0)."""
         self._registrar = registrar
         self._registered: list[int] = []
         if registrar is not None:
@@ -122,20 +141,21 @@ class HostTier:
         """Return True while the buffer is registered with a GPU backend."""
         return bool(self._registered)
 
-    @property
-    def piece_bytes(self) -> int:
-        """Return the size of a full piece (a multiple of `row_bytes`)."""
-        return self.pieces[0][1]
+    def rows_per_piece(self, group: int) -> int:
+        """Return how many rows of `group` a full piece of its region holds (its region is
+        cut into pieces at multiples of it)."""
+        return self._piece_limit // self.tier.pitch[group]
 
     def mirror(self, layout: KVLayout, group: int, ref: int) -> npt.NDArray[np.uint8]:
-        """Return the CPU mirror of one ref: a `(num_rows, F, page_bytes)` view of the tier."""
+        """Return the CPU mirror of one ref: a `(rows of the group, F, page_bytes)` view of the
+        tier."""
         f = layout.blocks_per_chunk
         page = layout.groups[group].refs[ref]
-        offset = layout.groups[group].row_offsets(f)[ref]
+        offset = self.tier.base[group] + layout.groups[group].row_offsets(f)[ref]
         view: npt.NDArray[np.uint8] = np.lib.stride_tricks.as_strided(
             self.array[offset:],
-            shape=(self.num_rows, f, page.page_bytes),
-            strides=(self.row_bytes, page.page_bytes, 1),
+            shape=(self.num_rows[group], f, page.page_bytes),
+            strides=(self.tier.pitch[group], page.page_bytes, 1),
         )
         return view
 

@@ -86,9 +86,10 @@ class JobCode(Protocol):
         lines: bytes,
         key0: Sequence[int],
         batches: int,
-        first_row: int,
-        row_bytes: int,
-        per_piece: int,
+        first_row: Sequence[int],
+        base: Sequence[int],
+        pitch: Sequence[int],
+        per_piece: Sequence[int],
         store: bool,
         /,
     ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -109,7 +110,7 @@ class JobCode(Protocol):
         f: int,
         num_blocks: Sequence[int],
         copy_bytes: Sequence[int],
-        num_rows: int,
+        num_rows: Sequence[int],
         store: bool,
         /,
     ) -> int:

@@ -160,7 +160,7 @@ class StagedGpuExecutor(Executor):
         *,
         kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
-        num_rows: int,
+        num_rows: int | Sequence[int],
         staging_bytes: int,
         copy_blocks: int,
         kernel_priority: int = 0,
@@ -173,14 +173,19 @@ class StagedGpuExecutor(Executor):
         self._submit_thread = submit_thread
         self._submitter: Submitter | None = None
         """The submission thread, started at the first staged job when `submit_thread`."""
-        self._half_bytes = max(staging_bytes // 2, self.layout.row_bytes)
+        self._half_bytes = max(staging_bytes // 2, self.layout.largest_row_bytes)
         self._copy_blocks = copy_blocks
         self._planner = StagePlanner(
             self.layout,
             capacity=self._half_bytes,
             piece_bytes=PIECE_BYTES,
-            # a tier pinned in one piece has no registration boundary to respect
-            tier_piece_bytes=0 if len(self.host_tier.pieces) == 1 else self.host_tier.piece_bytes,
+            tier=self.host_tier.tier,
+            # a tier pinned in one piece per group has no registration boundary to respect
+            rows_per_piece=(
+                ()
+                if len(self.host_tier.pieces) == self.layout.num_groups
+                else [self.host_tier.rows_per_piece(g) for g in range(self.layout.num_groups)]
+            ),
             code=self._code,
         )
         self._bindings: DriverBindings | None = None

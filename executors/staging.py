@@ -3,15 +3,17 @@
 numpy, and the job code's loops (`executors.jobcode`: compiled, or Python) for the arithmetic per
 batch and slice; O(keys) per job in one pass, and it never lists a page. A batch is a run of
 consecutive keys whose CPU rows fit in the buffer, laid out there exactly as in the tier, so its
-link copies are one DMA per contiguous range of rows. The on-GPU side of a batch is a few lines of a
-*slice table* (one line per group in the batch), read with the layout's *ref table* (one line per
-ref, built once): from the two the copy kernel (`kernels.STAGE_COPY_SOURCE`) computes every page
-address itself. `segment_copies` is the same arithmetic in numpy, the kernel's specification and its
-stand-in on machines without a GPU.
+link copies are one DMA per contiguous range of rows (a group's rows lie at its own pitch in its
+own region of the tier, so consecutive rows of a group are one range). The on-GPU side of a batch
+is a few lines of a *slice table* (one line per group in the batch), read with the layout's *ref
+table* (one line per ref, built once): from the two the copy kernel (`kernels.STAGE_COPY_SOURCE`)
+computes every page address itself. `segment_copies` is the same arithmetic in numpy, the kernel's
+specification and its stand-in on machines without a GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import attrs
@@ -22,7 +24,7 @@ from kvferry.core.bound import BoundPlan
 from kvferry.core.checks import unchecked_maker
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList
-from kvferry.core.layout import KVLayout
+from kvferry.core.layout import KVLayout, TierLayout
 from kvferry.core.plan import Direction, chunks_spanned
 from kvferry.executors.jobcode import JobCode, job_code
 
@@ -40,7 +42,8 @@ REF_FIELDS = (
 """Columns of the ref table, in order (int64 each), one line per ref of every group, group
 after group. A page of the ref with GPU id `i` lies at `gpu_base + i * page_stride`; in a CPU
 row (and so in staging) the ref's `slots` (F) pages start `row_offset` bytes in, `slot_bytes`
-apart (the page's bytes: a row holds no padding), and a group's rows are `row_pitch` bytes.
+apart (the page's bytes: a row holds no padding), and a group's rows are `row_pitch` bytes (in
+staging as in the tier).
 The kernel cuts a page into `pieces` pieces of at most `piece_bytes`; `piece_prefix` is the
 pieces per page of the group's refs before this one."""
 
@@ -159,17 +162,28 @@ class StagePlanner:
         *,
         capacity: int,
         piece_bytes: int,
-        tier_piece_bytes: int = 0,
+        tier: TierLayout,
+        rows_per_piece: Sequence[int] = (),
         ramp_bytes: int = 8 << 20,
         code: JobCode | None = None,
     ) -> None:
         self._code = job_code() if code is None else code
         """The job code whose loops plan (`executors.jobcode`; its default route when None)."""
-        if capacity < layout.row_bytes:
+        if capacity < layout.largest_row_bytes:
             raise InvalidInputError(
                 field="staging_bytes",
-                expected=f"at least one row ({layout.row_bytes})",
+                expected=f"at least the largest group's row ({layout.largest_row_bytes})",
                 got=capacity,
+            )
+        if tier.pitch != layout.row_pitches:
+            raise InvalidInputError(
+                field="tier", expected=f"row pitches {layout.row_pitches} (the layout's)", got=tier
+            )
+        if rows_per_piece and (len(rows_per_piece) != layout.num_groups or min(rows_per_piece) < 1):
+            raise InvalidInputError(
+                field="rows_per_piece",
+                expected=f"one count >= 1 per group ({layout.num_groups}), or none",
+                got=rows_per_piece,
             )
         if piece_bytes < 16 or piece_bytes % 16:
             raise InvalidInputError(
@@ -179,11 +193,11 @@ class StagePlanner:
         self._layout = layout
         self._capacity = capacity
         self._ramp_bytes = min(ramp_bytes, capacity)
-        self._tier_piece_bytes = tier_piece_bytes
-        self._row_bytes = layout.row_bytes
-        self._sizes = [layout.group_row_bytes(g) for g in range(layout.num_groups)]
-        self._whole_rows = all(size == self._row_bytes for size in self._sizes)
-        """Whether every group's chunk fills a row (then so do any job's groups)."""
+        self._bases = tier.base
+        """Offset of each group's region in the tier."""
+        self._per_piece = tuple(rows_per_piece) or (0,) * layout.num_groups
+        """Per group: its rows per registered piece of the tier (0: one piece)."""
+        self._sizes = list(layout.row_pitches)
         self._dense = [True] * layout.num_groups
         """Whether a group's slots in a row are all data: always, since rows hold no padding
         (`PageRef.page_bytes` is the slot); the job code's constants still carry the flag."""
@@ -218,17 +232,22 @@ class StagePlanner:
             capacity,
             self._ramp_bytes,
             f,
-            self._row_bytes,
-            tier_piece_bytes // self._row_bytes,
             self.ref_table.size,
             tuple(
-                (*refs[:4], self._sizes[g], self._dense[g]) for g, refs in enumerate(self._refs_of)
+                (
+                    *refs[:4],
+                    self._sizes[g],
+                    self._dense[g],
+                    self._bases[g],
+                    self._per_piece[g],
+                )
+                for g, refs in enumerate(self._refs_of)
             ),
         )
         """What the job code's `stage_job` plans with: staging capacity, ramp bytes, blocks per
-        chunk, row bytes, rows per registered piece of the tier (0: one piece), the ref table's
-        int64 count, and per layout group its first ref, refs, pieces and bytes per page, row bytes,
-        and whether its pages are unpadded."""
+        chunk, the ref table's int64 count, and per layout group its first ref, refs, pieces and
+        bytes per page, row bytes (its pitch), whether its pages are unpadded, the offset of its
+        region in the tier and its rows per registered piece of the tier (0: one piece)."""
 
     def plan(self, bound: BoundPlan) -> StagePlan:
         """Return the batches of `bound`: runs of consecutive keys whose rows fit in staging.
@@ -242,7 +261,7 @@ class StagePlanner:
         rows (bytes it does not need land in staging and stay there); a store writes whole rows
         only where the plan fills them, and exactly its pages elsewhere (a partial last chunk,
         padded pages), so the tier keeps every byte the plan does not name. No link copy crosses
-        a multiple of `tier_piece_bytes` in the tier.
+        a registered piece of the tier (`rows_per_piece` rows of a group).
 
         Work per job: the job code's loops over batches and slices, numpy over link copies
         where the rows are not one run; the keys themselves are touched by one pass.
@@ -302,25 +321,26 @@ class StagePlanner:
         `lines` are the job's slices as the job code's `slice_batches` returns them (int64,
         `_SLICE_LINE_WIDTH` columns: batch, group, first key, keys, stage offset).
 
-        A copy is a run of keys of one slice whose rows are consecutive (and, in the tier,
-        adjacent: the group's chunk fills the row); a store's keys the plan does not fill, or
+        A copy is a run of keys of one slice whose rows are consecutive (and so adjacent in the
+        tier: a group's rows lie at its own pitch); a store's keys the plan does not fill, or
         whose pages are padded, are copied page by page instead.
         """
         if not groups:
             return ((), (), ()), (0,) * (n_batches + 1)
         exact = self._exact_keys(direction, groups)
-        whole_rows = self._whole_rows or all(group.size == self._row_bytes for group in groups)
-        if not len(exact) and whole_rows and self._code.consecutive(rows):
+        consecutive = self._code.consecutive
+        if not len(exact) and all(
+            consecutive(rows[group.key0 : group.key0 + group.keys]) for group in groups
+        ):
             # one copy per slice, cut only at the tier's registration boundaries (the common job)
-            per_piece = self._tier_piece_bytes // self._row_bytes
-            first_keys = [group.key0 for group in groups]
             run_src, run_dst, run_size, run_bounds = self._code.run_copies(
                 lines,
-                first_keys,
+                [group.key0 for group in groups],
                 n_batches,
-                int(rows[0]),
-                self._row_bytes,
-                per_piece,
+                [int(rows[group.key0]) for group in groups],
+                [self._bases[group.g] for group in groups],
+                [group.size for group in groups],
+                [self._per_piece[group.g] for group in groups],
                 direction is Direction.STORE,
             )
             return (run_src, run_dst, run_size), run_bounds
@@ -333,8 +353,9 @@ class StagePlanner:
         # each copy's slice: the last slice starting at or before its first key
         owner = np.searchsorted(key0, starts, side="right") - 1
         size_of = np.asarray([group.size for group in groups], np.int64)[group_of[owner]]
+        base_of = np.asarray([self._bases[group.g] for group in groups], np.int64)[group_of[owner]]
         stage = stage_of[owner] + (starts - key0[owner]) * size_of
-        tier = rows[starts] * self._row_bytes
+        tier = base_of + rows[starts] * size_of
         size = (ends - starts) * size_of
         batch = batch_of[owner]
         if len(exact):
@@ -376,17 +397,16 @@ class StagePlanner:
         self, groups: list[_Group], key0: IdArray, rows: IdArray, breaks: IdArray, exact: IdArray
     ) -> IdArray:
         """Return the keys where a link copy must start: a slice's first key, a break in the
-        rows, every key of a group whose chunk is shorter than a row, a registration boundary
-        of the tier, and around the keys copied page by page (`breaks`: the keys whose row
-        does not follow the previous key's)."""
+        rows, a registration boundary of the tier, and around the keys copied page by page
+        (`breaks`: the keys whose row does not follow the previous key's)."""
         cuts = [key0, breaks]
         if len(exact):
             cuts += [exact, exact + 1]
         for group in groups:
-            if group.size != self._row_bytes:
-                cuts.append(np.arange(group.key0, group.key0 + group.keys))
-        if self._tier_piece_bytes:
-            cuts.append(np.flatnonzero(rows % (self._tier_piece_bytes // self._row_bytes) == 0))
+            per_piece = self._per_piece[group.g]
+            if per_piece:
+                own = rows[group.key0 : group.key0 + group.keys]
+                cuts.append(group.key0 + np.flatnonzero(own % per_piece == 0))
         starts = np.unique(np.concatenate(cuts))
         return starts[starts < len(rows)]
 

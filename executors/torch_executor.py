@@ -71,7 +71,7 @@ class TorchExecutor(StagedGpuExecutor):
         *,
         kv_caches: Sequence[Sequence[KVCacheEntry]],
         blocks_per_chunk: int,
-        num_rows: int,
+        num_rows: int | Sequence[int],
         compute_stream: Any = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         copy_blocks: int = DEFAULT_COPY_BLOCKS,

@@ -60,7 +60,7 @@ class World:
             (session._next_job, session._first_live_job),
             catalog.snapshot(),
             catalog.counters(),
-            tuple(catalog._freed),
+            tuple((g, tuple(rows.freed)) for g, rows in catalog._groups.items()),
             bytes(cpu.host_tier.array),
             [bytes(t) for group in self.rig.caches for t in group],
             sorted(cpu._jobs),

@@ -24,7 +24,14 @@ from kvferry.core.catalog import Catalog, CatalogConfig, rows_for_budget
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
 from kvferry.core.keys import OffloadKey
-from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, describe_tensor
+from kvferry.core.layout import (
+    GroupLayout,
+    KVLayout,
+    PageRef,
+    TensorLayout,
+    TierLayout,
+    describe_tensor,
+)
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import lookup
 from kvferry.core.plan import Direction, TransferPlan
@@ -871,7 +878,7 @@ CASES = [
     # -- executors ---------------------------------------------------------------------------
     Case(
         "host tier larger than the host",
-        lambda w: HostTier(num_rows=1 << 50, row_bytes=4096),
+        lambda w: HostTier(tier=TierLayout(rows=(1 << 50,), pitch=(4096,))),
         BAD,
         "num_rows",
         words=("host's memory",),
@@ -881,12 +888,14 @@ CASES = [
         lambda w: _cpu_executor([[_mla(_host_tensor((8, 24)))]], num_rows=0),
         BAD,
         "num_rows",
+        group=0,
     ),
     Case(
         "host tier of 0 rows",
-        lambda w: HostTier(num_rows=0, row_bytes=64),
+        lambda w: HostTier(tier=TierLayout(rows=(4, 0), pitch=(64, 32))),
         BAD,
         "num_rows",
+        group=1,
     ),
     Case(
         "executor: F < 1",
@@ -985,6 +994,7 @@ CASES = [
         BROKEN,
         "cpu_rows",
         request="r2",
+        group=0,
     ),
     Case(
         "executor: a job id already in flight",

@@ -46,11 +46,31 @@ def stored(capacity: int, keys: list[OffloadKey], *, events: bool = False) -> Ca
 
 
 def test_rows_for_budget_counts_whole_rows() -> None:
-    assert rows_for_budget(10 * 2**30, 3 * 2**20) == 3413
+    assert rows_for_budget(10 * 2**30, 3 * 2**20) == (3413,)
+
+
+def test_rows_for_budget_gives_every_group_the_same_number_of_chunks() -> None:
+    # 1000 + 100 + 100 bytes hold one chunk of every group: 10 of each in 12,345 bytes
+    assert rows_for_budget(12_345, [1000, 100, 100]) == (10, 10, 10)
+
+
+def test_rows_for_budget_gives_each_group_its_weight_in_chunks() -> None:
+    # weights 1, 4: n * (1000 + 4 * 100) <= 14_000 gives n = 10
+    assert rows_for_budget(14_000, [1000, 100], weights=[1, 4]) == (10, 40)
+
+
+def test_rows_for_budget_refuses_a_weight_below_one_naming_the_group() -> None:
+    with pytest.raises(InvalidInputError, match=r"group 1.*weights"):
+        rows_for_budget(1 << 20, [1000, 100], weights=[1, 0])
+
+
+def test_rows_for_budget_refuses_weights_for_another_number_of_groups() -> None:
+    with pytest.raises(InvalidInputError, match="weights"):
+        rows_for_budget(1 << 20, [1000, 100], weights=[1])
 
 
 def test_rows_for_budget_rejects_a_zero_row_size() -> None:
-    with pytest.raises(InvalidInputError, match="bytes_per_row"):
+    with pytest.raises(InvalidInputError, match="row_pitches"):
         rows_for_budget(1024, 0)
 
 
@@ -76,6 +96,55 @@ def test_catalog_rejects_a_config_that_is_not_a_catalog_config() -> None:
 
 def test_a_zero_capacity_tier_has_no_room_for_one_key() -> None:
     assert catalog(0).reserve([k(1)]) is None
+
+
+# -- rows per group -------------------------------------------------------------------------------
+
+
+def test_every_group_has_its_own_rows_from_zero() -> None:
+    reservation = catalog(2).reserve([k(1, 0), k(2, 1), k(3, 0)])
+    assert reservation is not None
+    assert reservation.rows.tolist() == [0, 0, 1]
+
+
+def test_one_capacity_applies_to_every_group() -> None:
+    cat = stored(2, [k(1, 0), k(2, 0), k(3, 1), k(4, 1)])
+    assert cat.rows_used == 4
+    assert (cat.free_rows(0), cat.free_rows(1)) == (0, 0)
+
+
+def test_per_group_capacities_bound_each_group_on_its_own() -> None:
+    cat = Catalog(CatalogConfig(capacity_rows=(1, 3)))
+    assert cat.reserve([k(1, 1), k(2, 1), k(3, 1)]) is not None
+    assert cat.reserve([k(4, 0), k(5, 0)]) is None
+    assert cat.group_capacity(1) == 3
+
+
+def test_making_room_evicts_only_keys_of_the_group_that_needs_it() -> None:
+    cat = stored(1, [k(1, 0), k(2, 1)])
+    reservation = cat.reserve([k(3, 1)])
+    assert reservation is not None
+    assert reservation.evicted == (k(2, 1),)
+    assert cat.statuses([k(1, 0)]) == [HIT]
+
+
+def test_a_full_group_refuses_its_keys_while_another_group_has_room() -> None:
+    cat = stored(1, [k(1, 0)])
+    cat.pin([k(1, 0)])
+    assert not cat.can_reserve([k(2, 0)])
+    assert cat.can_reserve([k(3, 1)])
+
+
+def test_a_key_of_a_group_the_per_group_capacities_lack_is_refused_changing_nothing() -> None:
+    cat = Catalog(CatalogConfig(capacity_rows=(2, 2)))
+    with pytest.raises(InvalidInputError, match=r"group 2.*capacity_rows"):
+        cat.reserve([k(1, 0), k(2, 2)])
+    assert cat.rows_used == 0
+
+
+def test_config_rejects_a_negative_capacity_of_one_group() -> None:
+    with pytest.raises(InvalidInputError, match=r"group 1.*capacity_rows"):
+        CatalogConfig(capacity_rows=(4, -1))
 
 
 # -- reservation ------------------------------------------------------------------------------
@@ -346,6 +415,7 @@ def test_counters_count_hits_misses_stores_failures_evictions_and_rows() -> None
     assert (counters.hits, counters.misses, counters.stores) == (1, 3, 2)
     assert (counters.failed_stores, counters.evictions) == (1, 1)
     assert (counters.rows_used, counters.capacity_rows) == (1, 2)
+    assert (counters.group_rows_used, counters.group_capacity_rows) == ((1,), (2,))
 
 
 # -- reset ------------------------------------------------------------------------------------
@@ -411,7 +481,7 @@ def test_discard_drops_an_unpinned_ready_key_and_frees_its_row() -> None:
     cat = stored(2, [k(1), k(2)])
     cat.discard([k(1)])
     assert cat.statuses([k(1), k(2)]) == [MISS, HIT]
-    assert cat.free_rows == 1
+    assert cat.free_rows(0) == 1
 
 
 def test_discard_of_a_pinned_key_waits_for_its_last_unpin() -> None:

@@ -19,30 +19,40 @@ from kvferry.core.errors import InvalidInputError
 from kvferry.core.eviction import EvictionPolicyKind
 from kvferry.core.keys import KeyStatus, OffloadKey
 
-UNIVERSE = [OffloadKey(i % 2, bytes([i])) for i in range(12)]
+GROUPS = 2
+UNIVERSE = [OffloadKey(i % GROUPS, bytes([i])) for i in range(12)]
 keys_st = st.lists(st.sampled_from(UNIVERSE), max_size=6)
 
 
 class CatalogMachine(RuleBasedStateMachine):
     """Reserve / complete / pin / unpin / reset in any order; the model predicts every answer
-    except which evictable keys a policy picks, and checks those picks obey the rules."""
+    except which evictable keys a policy picks, and checks those picks obey the rules. Every
+    group has its own rows: a group's keys fit in its capacity, and room is made by evicting
+    keys of the same group only."""
 
     batches = Bundle("batches")
 
     def __init__(self) -> None:
         super().__init__()
         self.catalog: Catalog
-        self.capacity = 0
+        self.capacity: tuple[int, ...] = (0,) * GROUPS
         self.ready: set[OffloadKey] = set()
         self.writing: set[OffloadKey] = set()
         self.pins: dict[OffloadKey, int] = {}
 
-    @initialize(capacity=st.integers(0, 6), policy=st.sampled_from(list(EvictionPolicyKind)))
-    def start(self, capacity: int, policy: EvictionPolicyKind) -> None:
-        self.capacity = capacity
+    @initialize(
+        capacity=st.one_of(st.integers(0, 6), st.tuples(*[st.integers(0, 6)] * GROUPS)),
+        policy=st.sampled_from(list(EvictionPolicyKind)),
+    )
+    def start(self, capacity: int | tuple[int, ...], policy: EvictionPolicyKind) -> None:
+        self.capacity = (capacity,) * GROUPS if isinstance(capacity, int) else capacity
         self.catalog = Catalog(
             CatalogConfig(capacity_rows=capacity, policy=policy, record_events=True)
         )
+
+    def _free(self, group: int) -> int:
+        held = [k for k in self.ready | self.writing if k.group == group]
+        return self.capacity[group] - len(held)
 
     @rule(
         target=batches,
@@ -56,9 +66,9 @@ class CatalogMachine(RuleBasedStateMachine):
         positions = data.draw(st.lists(st.integers(1, 64), min_size=len(keys), max_size=len(keys)))
         asked = set(keys)
         absent = list(dict.fromkeys(k for k in keys if k not in self.ready | self.writing))
-        free = self.capacity - len(self.ready) - len(self.writing)
         evictable = {k for k in self.ready if k not in self.pins and k not in asked}
-        fits = len(absent) - free <= len(evictable)
+        need = {g: max(0, sum(k.group == g for k in absent) - self._free(g)) for g in range(GROUPS)}
+        fits = all(need[g] <= sum(k.group == g for k in evictable) for g in range(GROUPS))
         assert self.catalog.can_reserve(keys) is fits
         if len(asked) != len(keys):  # a key twice: refused, nothing changed
             before = (self.catalog.snapshot(), self.catalog.counters())
@@ -74,7 +84,8 @@ class CatalogMachine(RuleBasedStateMachine):
             return ()
         assert reservation is not None
         assert list(reservation.keys) == absent
-        assert len(reservation.evicted) == max(0, len(absent) - free)
+        for g in range(GROUPS):  # each group evicts what it needs, of its own keys
+            assert sum(k.group == g for k in reservation.evicted) == need[g]
         assert set(reservation.evicted) <= evictable
         removed = [k for e in self.catalog.drain_events() for k in e.keys]
         assert sorted(removed) == sorted(reservation.evicted)
@@ -130,9 +141,11 @@ class CatalogMachine(RuleBasedStateMachine):
         assert {k for k, e in snapshot.items() if e.state is KeyState.READY} == self.ready
         assert {k for k, e in snapshot.items() if e.state is KeyState.WRITING} == self.writing
         assert {k: e.pins for k, e in snapshot.items() if e.pins} == self.pins
-        rows = sorted(e.row for e in snapshot.values())
-        assert len(set(rows)) == len(rows) <= self.capacity
-        assert all(0 <= row < self.capacity for row in rows)
+        for g in range(GROUPS):
+            rows = sorted(e.row for k, e in snapshot.items() if k.group == g)
+            assert len(set(rows)) == len(rows) <= self.capacity[g]
+            assert all(0 <= row < self.capacity[g] for row in rows)
+            assert self.catalog.counters().group_rows_used[g : g + 1] in ((), (len(rows),))
         expected = [
             KeyStatus.HIT
             if k in self.ready
@@ -142,7 +155,7 @@ class CatalogMachine(RuleBasedStateMachine):
             for k in UNIVERSE
         ]
         assert self.catalog.statuses(UNIVERSE) == expected
-        assert self.catalog.counters().rows_used == len(rows)
+        assert self.catalog.counters().rows_used == len(snapshot)
 
 
 TestCatalogMachine = CatalogMachine.TestCase

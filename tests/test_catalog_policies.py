@@ -125,14 +125,15 @@ def test_choosing_victims_changes_nothing(kind: EvictionPolicyKind) -> None:
 
 @pytest.mark.parametrize("kind", ALL)
 def test_a_catalog_never_holds_more_rows_than_its_capacity(kind: EvictionPolicyKind) -> None:
-    cat = catalog(5, kind)
+    cat = catalog(5, kind)  # five rows of each group
     for i in range(40):
         store(cat, [k(i), k(i + 100, group=1)], positions=[16, 16], request=f"r{i % 3}")
         if i % 4 == 0:
             cat.pin([k(i)])
         if i % 4 == 1:
             cat.unpin([k(i - 1)])
-        assert cat.rows_used <= 5
+        assert all(used <= 5 for used in cat.counters().group_rows_used)
+        assert cat.rows_used <= 10
 
 
 # -- LRU --------------------------------------------------------------------------------------
@@ -244,16 +245,12 @@ def test_arc_keeps_its_ghost_lists_within_twice_the_capacity() -> None:
 # -- tail-first -------------------------------------------------------------------------------
 
 
-def test_tail_first_evicts_later_token_positions_first_across_groups() -> None:
-    cat = catalog(5, EvictionPolicyKind.TAIL_FIRST)
+def test_tail_first_evicts_later_token_positions_first_within_the_group_needing_room() -> None:
+    cat = catalog(3, EvictionPolicyKind.TAIL_FIRST)
     keys = [k(1), k(2), k(3), k(11, group=1), k(12, group=1)]
     store(cat, keys, positions=[16, 32, 48, 24, 48], request="a")
-    assert store(cat, [k(20), k(21), k(22), k(23)], request="b") == (
-        k(12, group=1),
-        k(3),
-        k(2),
-        k(11, group=1),
-    )
+    assert store(cat, [k(20), k(21)], request="b") == (k(3), k(2))
+    assert store(cat, [k(30, group=1), k(31, group=1)], request="b") == (k(12, group=1),)
 
 
 def test_tail_first_evicts_the_least_recently_active_request_first() -> None:

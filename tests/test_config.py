@@ -99,7 +99,34 @@ def test_sizes_take_units(text: str | int, expected: int) -> None:
 def test_the_catalog_gets_whole_rows_of_the_budget_and_the_policy() -> None:
     config = KvferryConfig.from_mapping({"cpu_tier_bytes": 1000, "eviction_policy": "arc"})
     catalog = config.catalog_config(300)
-    assert catalog.capacity_rows == 3
+    assert catalog.capacity_rows == (3,)
+    assert catalog.policy is EvictionPolicyKind.ARC
+
+
+def test_group_weights_give_each_group_its_share_of_chunks() -> None:
+    config = KvferryConfig.from_env(
+        {"KVFERRY_CPU_TIER_BYTES": "1000", "KVFERRY_CPU_TIER_GROUP_WEIGHTS": "1, 4"}
+    )
+    assert config.cpu_tier_group_weights == (1, 4)
+    assert config.catalog_config([300, 20]).capacity_rows == (2, 8)  # 2 * (300 + 4 * 20) <= 1000
+
+
+def test_group_weights_for_another_number_of_groups_are_refused_naming_the_setting() -> None:
+    config = KvferryConfig.from_mapping({"cpu_tier_bytes": 1000, "cpu_tier_group_weights": [1, 4]})
+    with pytest.raises(InvalidInputError, match="cpu_tier_group_weights") as caught:
+        config.catalog_config([300, 20, 50])
+    assert "one weight per KV-cache group (3)" in caught.value.expected
+
+
+def test_a_group_weight_below_one_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="cpu_tier_group_weights"):
+        KvferryConfig.from_mapping({"cpu_tier_group_weights": [1, 0]})
+
+
+def test_the_budget_gives_every_group_the_same_number_of_chunks() -> None:
+    config = KvferryConfig.from_mapping({"cpu_tier_bytes": 1000, "eviction_policy": "arc"})
+    catalog = config.catalog_config([300, 20, 50])
+    assert catalog.capacity_rows == (2, 2, 2)
     assert catalog.policy is EvictionPolicyKind.ARC
 
 

@@ -96,7 +96,7 @@ class _FlipTierByte(CpuExecutor):
     def _enqueue(self, bound: BoundPlan) -> float:
         if bound.plan.direction is Direction.LOAD and not _FlipTierByte.flipped:
             _FlipTierByte.flipped = True
-            offset = int(expand_pages(bound, self.layout).cpu_offset[0]) + 5
+            offset = int(expand_pages(bound, self.layout, self.host_tier.tier).cpu_offset[0]) + 5
             self.host_tier.array[offset] ^= 0x01
         return super()._enqueue(bound)
 
@@ -187,9 +187,9 @@ def test_a_tier_smaller_than_one_prefill_steps_chunks_warns_in_one_line(
     cli.main(["demo", "--requests", "2", "--no-progress", "--cpu-tier-bytes", "8MiB"])
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert warnings == [
-        "kvferry: warning: the CPU tier holds 8 chunk(s), fewer than the 32 a 2048-token prefill "
-        "step completes; a store takes all of a step's chunks or none, so such steps store "
-        "nothing (a larger --cpu-tier-bytes stores them)"
+        "kvferry: warning: the CPU tier holds 8 chunk(s) of group 0, fewer than the 32 a "
+        "2048-token prefill step completes; a store takes all of a step's chunks or none, so such "
+        "steps store nothing (a larger --cpu-tier-bytes stores them)"
     ]
 
 
@@ -205,6 +205,14 @@ def test_the_shortfall_is_the_chunks_of_one_full_prefill_step() -> None:
     offload = profile.offload_config(4, store_decoded_tokens=True)  # 64-token chunks
     assert tier_shortfall(profile, offload, 32) is None
     assert "fewer than the 32" in str(tier_shortfall(profile, offload, 31))
+
+
+def test_the_shortfall_names_the_group_whose_rows_are_short() -> None:
+    profile = PROFILES[ProfileName.GPT_OSS]
+    offload = profile.offload_config(4, store_decoded_tokens=True)
+    need = -(-profile.step_tokens // offload.chunk_tokens(1))
+    assert tier_shortfall(profile, offload, (need, need)) is None
+    assert "of group 1" in str(tier_shortfall(profile, offload, (need, need - 1)))
 
 
 class _Terminal(io.StringIO):
@@ -244,7 +252,8 @@ def test_the_command_takes_settings_from_a_config_file(
     assert cli.main(["demo", "--requests", "16", "--no-progress", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "eviction arc" in out
-    assert "67.1 MB = 64 rows" in out
+    assert "CPU tier: 67.1 MB, eviction arc; chunks per group:" in out
+    assert "group 0 (full_attention): 64 chunks of 1.0 MB" in out
 
 
 def test_an_unknown_profile_exits_2_and_suggests_a_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -177,8 +177,16 @@ def _report(**changes: object) -> DemoReport:
     fields: dict[str, object] = {a.name: 0 for a in attrs.fields(DemoReport)}
     fields.update(profile="p", title="t", scale="s", executor="cpu", device="cpu")
     fields.update(eviction_policy="lru", wall_seconds=0.0, store_seconds=0.0, load_seconds=0.0)
+    fields.update(cpu_tier_rows=(4, 4), cpu_tier_row_bytes=(1 << 20, 1 << 10))
+    fields.update(group_kinds=("full_attention", "mamba"))
     fields.update(changes)
     return DemoReport(**fields)  # type: ignore[arg-type]
+
+
+def test_the_table_lists_the_chunks_and_row_size_of_every_group() -> None:
+    table = _report(cpu_tier_rows=(173, 173), cpu_tier_row_bytes=(589_824, 573_440)).to_table()
+    assert "group 0 (full_attention): 173 chunks of 0.6 MB" in table
+    assert "group 1 (mamba): 173 chunks of 0.6 MB" in table
 
 
 def test_rates_are_bytes_over_copy_seconds() -> None:

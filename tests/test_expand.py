@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.core.bound import BoundPlan
-from kvferry.core.errors import PlanInvariantError
-from kvferry.core.expand import copy_list, expand_pages, merge_copies, split_copies
+from kvferry.core.errors import InvalidInputError, PlanInvariantError
+from kvferry.core.expand import PageCopies, copy_list, expand_pages, merge_copies, split_copies
 from kvferry.core.keys import OffloadKey
-from kvferry.core.layout import GroupLayout, KVLayout, PageRef
+from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TierLayout
 from kvferry.core.plan import Direction, TransferPlan, chunks_spanned
 
 
@@ -42,10 +42,15 @@ def _one_ref_layout(f: int, stride: int = 10, size: int = 10, blocks: int = 200)
     return KVLayout(blocks_per_chunk=f, groups=[GroupLayout(refs=[ref])])
 
 
+def _pages(bound: BoundPlan, layout: KVLayout, rows: int = 16) -> PageCopies:
+    """Expand `bound` against `layout` and a tier of `rows` rows per group."""
+    return expand_pages(bound, layout, layout.tier(rows))
+
+
 def test_a_load_inside_a_chunk_pairs_slots_and_blocks_after_the_skip() -> None:
     # gpu_prefix_hit_inside_chunk of docs/semantics.md: F=3, blocks 102-108 from rows 10-12
     bound = _bound(Direction.LOAD, 3, [(list(range(102, 109)), 2, [10, 11, 12])])
-    pages = expand_pages(bound, _one_ref_layout(3))
+    pages = _pages(bound, _one_ref_layout(3))
     slots = [f"{o // 30}.{o // 10 % 3}" for o in pages.cpu_offset.tolist()]
     blocks = ((pages.gpu_address - 1000) // 10).tolist()
     assert list(zip(slots, blocks, strict=True)) == [
@@ -56,7 +61,7 @@ def test_a_load_inside_a_chunk_pairs_slots_and_blocks_after_the_skip() -> None:
 
 def test_copies_contiguous_on_both_sides_merge_into_one() -> None:
     bound = _bound(Direction.LOAD, 3, [(list(range(102, 109)), 2, [10, 11, 12])])
-    copies = copy_list(expand_pages(bound, _one_ref_layout(3)), host_address=0)
+    copies = copy_list(_pages(bound, _one_ref_layout(3)), host_address=0)
     assert (copies.src.tolist(), copies.dst.tolist(), copies.nbytes.tolist()) == (
         [320],
         [2020],
@@ -66,7 +71,7 @@ def test_copies_contiguous_on_both_sides_merge_into_one() -> None:
 
 def test_a_store_copies_gpu_to_cpu() -> None:
     bound = _bound(Direction.STORE, 1, [([5], 0, [2])])
-    copies = copy_list(expand_pages(bound, _one_ref_layout(1)), host_address=50_000)
+    copies = copy_list(_pages(bound, _one_ref_layout(1)), host_address=50_000)
     assert (copies.src.tolist(), copies.dst.tolist()) == ([1050], [50_020])
 
 
@@ -82,41 +87,84 @@ def test_merging_stops_at_a_break() -> None:
 
 def test_padded_pages_copy_only_their_bytes_and_do_not_merge() -> None:
     bound = _bound(Direction.STORE, 2, [([4, 5], 0, [0])])
-    copies = copy_list(expand_pages(bound, _one_ref_layout(2, stride=16, size=10)), 0)
+    copies = copy_list(_pages(bound, _one_ref_layout(2, stride=16, size=10)), 0)
     assert copies.nbytes.tolist() == [10, 10]
 
 
 def test_a_plan_with_more_groups_than_the_layout_is_refused() -> None:
     bound = _bound(Direction.LOAD, 1, [([1], 0, [0]), ([2], 0, [1])])
     with pytest.raises(PlanInvariantError, match="group_sizes"):
-        expand_pages(bound, _one_ref_layout(1))
+        _pages(bound, _one_ref_layout(1))
 
 
 def test_a_plan_for_another_f_is_refused() -> None:
     bound = _bound(Direction.LOAD, 2, [([1, 2], 0, [0])])
     with pytest.raises(PlanInvariantError, match="blocks_per_chunk"):
-        expand_pages(bound, _one_ref_layout(3))
+        _pages(bound, _one_ref_layout(3))
 
 
 def test_a_block_id_past_the_tensor_is_refused_naming_the_group() -> None:
     bound = _bound(Direction.LOAD, 1, [([200], 0, [0])])
     with pytest.raises(PlanInvariantError, match=r"group 0.*gpu_block_ids"):
-        expand_pages(bound, _one_ref_layout(1))
+        _pages(bound, _one_ref_layout(1))
 
 
 def test_a_row_past_the_tier_is_refused_naming_the_group() -> None:
     bound = _bound(Direction.LOAD, 1, [([1], 0, [7])])
     with pytest.raises(PlanInvariantError, match=r"group 0.*cpu_rows"):
-        expand_pages(bound, _one_ref_layout(1), num_rows=7)
+        _pages(bound, _one_ref_layout(1), rows=7)
 
 
 def test_a_store_writing_one_row_twice_is_refused() -> None:
     bound = _bound(Direction.STORE, 1, [([1, 2], 0, [3, 3])])
     with pytest.raises(PlanInvariantError, match="distinct rows"):
-        expand_pages(bound, _one_ref_layout(1))
+        _pages(bound, _one_ref_layout(1))
 
 
-def _naive(bound: BoundPlan, layout: KVLayout) -> list[tuple[int, int, int]]:
+def _two_group_layout(f: int) -> KVLayout:
+    big = PageRef(address=1000, num_blocks=200, page_stride=40, page_bytes=40)
+    small = PageRef(address=1 << 20, num_blocks=200, page_stride=64, page_bytes=6)
+    return KVLayout(blocks_per_chunk=f, groups=[GroupLayout(refs=[big]), GroupLayout(refs=[small])])
+
+
+def test_each_group_s_rows_lie_at_its_own_pitch_in_its_own_region() -> None:
+    layout = _two_group_layout(2)
+    bound = _bound(Direction.STORE, 2, [([1, 2], 0, [3]), ([4, 5, 6, 7], 0, [3, 4])])
+    pages = _pages(bound, layout, rows=5)
+    assert layout.row_pitches == (80, 12)
+    region = 5 * 80  # group 1's rows start after group 0's five
+    assert pages.cpu_offset.tolist() == [
+        240,
+        280,
+        region + 36,
+        region + 42,
+        region + 48,
+        region + 54,
+    ]
+
+
+def test_consecutive_rows_of_a_small_group_merge_into_one_copy() -> None:
+    layout = _two_group_layout(1)
+    small = PageRef(address=1 << 20, num_blocks=200, page_stride=6, page_bytes=6)
+    layout = KVLayout(blocks_per_chunk=1, groups=[layout.groups[0], GroupLayout(refs=[small])])
+    bound = _bound(Direction.LOAD, 1, [([], 0, []), (list(range(10, 20)), 0, list(range(10)))])
+    copies = copy_list(_pages(bound, layout, rows=10), host_address=0)
+    assert (copies.src.tolist(), copies.nbytes.tolist()) == ([10 * 40], [60])
+
+
+def test_a_store_may_use_one_row_number_in_two_groups() -> None:
+    bound = _bound(Direction.STORE, 1, [([1], 0, [3]), ([2], 0, [3])])
+    pages = _pages(bound, _two_group_layout(1), rows=4)
+    assert pages.cpu_offset.tolist() == [120, 4 * 40 + 18]
+
+
+def test_a_tier_of_other_pitches_is_refused() -> None:
+    bound = _bound(Direction.LOAD, 1, [([1], 0, [0])])
+    with pytest.raises(InvalidInputError, match="tier"):
+        expand_pages(bound, _one_ref_layout(1), _one_ref_layout(2).tier(4))
+
+
+def _naive(bound: BoundPlan, layout: KVLayout, tier: TierLayout) -> list[tuple[int, int, int]]:
     """(gpu address, cpu offset, bytes) per page and ref, by plain loops, in CPU-row order."""
     plan, f = bound.plan, layout.blocks_per_chunk
     out = []
@@ -134,17 +182,21 @@ def _naive(bound: BoundPlan, layout: KVLayout) -> list[tuple[int, int, int]]:
                     if 0 <= k < n:
                         out.append((
                             ref.address + group_ids[k] * ref.page_stride,
-                            row * layout.row_bytes + offsets[r] + slot * ref.page_bytes,
+                            tier.row_offset(g, row) + offsets[r] + slot * ref.page_bytes,
                             ref.page_bytes,
                         ))  # fmt: skip
     return out
+
+
+TIER_ROWS = 20
+"""Rows per group of the drawn plans' tier (a group spans at most 17)."""
 
 
 @st.composite
 def _plans(draw: st.DrawFn) -> tuple[BoundPlan, KVLayout]:
     f = draw(st.integers(1, 4))
     num_groups = draw(st.integers(1, 3))
-    groups, layout_groups, next_row = [], [], 0
+    groups, layout_groups = [], []
     for g in range(num_groups):
         refs = [
             PageRef(
@@ -160,8 +212,8 @@ def _plans(draw: st.DrawFn) -> tuple[BoundPlan, KVLayout]:
         first = draw(st.integers(0, 5)) if n else 0
         ids = draw(st.permutations(range(64)))[:n]
         count = chunks_spanned(n, first % f, f)
-        groups.append((list(ids), first, list(range(next_row, next_row + count))))
-        next_row += count
+        rows = draw(st.permutations(range(TIER_ROWS)))[:count]  # each group its own row ids
+        groups.append((list(ids), first, list(rows)))
     bound = _bound(Direction.LOAD, f, groups)
     return bound, KVLayout(blocks_per_chunk=f, groups=layout_groups)
 
@@ -169,7 +221,8 @@ def _plans(draw: st.DrawFn) -> tuple[BoundPlan, KVLayout]:
 @given(_plans())
 def test_expansion_matches_a_naive_loop_over_pages(case: tuple[BoundPlan, KVLayout]) -> None:
     bound, layout = case
-    pages = expand_pages(bound, layout)
+    tier = layout.tier(TIER_ROWS)
+    pages = expand_pages(bound, layout, tier)
     got = list(
         zip(
             pages.gpu_address.tolist(),
@@ -178,13 +231,13 @@ def test_expansion_matches_a_naive_loop_over_pages(case: tuple[BoundPlan, KVLayo
             strict=True,
         )
     )
-    assert got == _naive(bound, layout)
+    assert got == _naive(bound, layout, tier)
 
 
 @given(_plans())
 def test_merged_copies_cover_the_same_bytes(case: tuple[BoundPlan, KVLayout]) -> None:
     bound, layout = case
-    pages = expand_pages(bound, layout)
+    pages = _pages(bound, layout, rows=TIER_ROWS)
     merged = copy_list(pages, host_address=1 << 40)
 
     def byte_pairs(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> set[tuple[int, int]]:

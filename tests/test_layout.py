@@ -86,13 +86,26 @@ def test_a_page_larger_than_its_stride_is_refused() -> None:
         PageRef(address=0, num_blocks=2, page_stride=8, page_bytes=16)
 
 
-def test_row_bytes_is_the_largest_groups_chunk_and_smaller_groups_pad() -> None:
+def test_each_group_s_row_is_its_own_chunk_with_no_padding() -> None:
     big = GroupLayout(refs=[PageRef(address=0, num_blocks=4, page_stride=100, page_bytes=100)] * 2)
     small = GroupLayout(refs=[PageRef(address=0, num_blocks=4, page_stride=64, page_bytes=40)])
     layout = KVLayout(blocks_per_chunk=3, groups=[big, small])
-    assert layout.row_bytes == 600
-    assert layout.padding_bytes(0) == 0
-    assert layout.padding_bytes(1) == 600 - 120
+    assert layout.row_pitches == (600, 120)
+    assert layout.largest_row_bytes == 600
+
+
+def test_a_tier_lays_each_group_s_rows_after_the_previous_group_s() -> None:
+    big = GroupLayout(refs=[PageRef(address=0, num_blocks=4, page_stride=100, page_bytes=100)])
+    small = GroupLayout(refs=[PageRef(address=0, num_blocks=4, page_stride=64, page_bytes=40)])
+    tier = KVLayout(blocks_per_chunk=1, groups=[big, small]).tier((3, 10))
+    assert (tier.base, tier.pitch, tier.nbytes) == ((0, 300), (100, 40), 700)
+
+
+def test_a_tier_needs_one_row_count_per_group() -> None:
+    ref = PageRef(address=0, num_blocks=4, page_stride=64, page_bytes=40)
+    layout = KVLayout(blocks_per_chunk=1, groups=[GroupLayout(refs=[ref])] * 2)
+    with pytest.raises(InvalidInputError, match="num_rows"):
+        layout.tier((3, 4, 5))
 
 
 def test_the_fingerprint_ignores_addresses_and_follows_the_geometry() -> None:
@@ -222,4 +235,4 @@ def test_kv_pages_that_overrun_their_buffer_are_refused_naming_the_entry() -> No
 def test_a_cpu_row_holds_page_data_only_not_the_padding() -> None:
     ref = PageRef(address=0, num_blocks=4, page_stride=1024, page_bytes=300)
     layout = KVLayout(blocks_per_chunk=3, groups=[GroupLayout(refs=[ref])])
-    assert layout.row_bytes == 900
+    assert layout.row_pitches == (900,)

@@ -39,8 +39,8 @@ def _build(**options: Any) -> Offloading:
 
 def test_the_catalog_gets_the_whole_rows_of_the_budget() -> None:
     with _build(cpu_tier_bytes=8 * ROW_BYTES + ROW_BYTES // 2) as offloading:
-        assert offloading.layout.row_bytes == ROW_BYTES
-        assert offloading.catalog.capacity_rows == 8
+        assert offloading.layout.row_pitches == (ROW_BYTES,)
+        assert offloading.catalog.capacity_rows == (8,)
 
 
 def test_the_executor_allocates_one_tier_row_per_catalog_row() -> None:
@@ -58,7 +58,7 @@ def test_the_session_plans_with_the_config_and_the_catalog() -> None:
 
 def test_a_size_string_sets_the_budget() -> None:
     with _build(cpu_tier_bytes="16KiB") as offloading:
-        assert offloading.catalog.capacity_rows == (16 << 10) // ROW_BYTES
+        assert offloading.catalog.capacity_rows == ((16 << 10) // ROW_BYTES,)
 
 
 def test_the_settings_choose_the_eviction_policy_and_the_events() -> None:
@@ -72,7 +72,7 @@ def test_the_arguments_override_the_settings() -> None:
     settings = KvferryConfig.from_mapping({"executor": "torch", "cpu_tier_bytes": "1GiB"})
     with _build(settings=settings, executor="cpu", cpu_tier_bytes=4 * ROW_BYTES) as offloading:
         assert isinstance(offloading.executor, CpuExecutor)
-        assert offloading.catalog.capacity_rows == 4
+        assert offloading.catalog.capacity_rows == (4,)
 
 
 def test_a_stored_chunk_loads_back_into_other_blocks() -> None:

@@ -259,13 +259,20 @@ class SessionMachine(RuleBasedStateMachine):
                 request.cursor = ends
                 continue
             evictable = {k for k in self.ready if k not in self.pins and k not in candidates}
-            need = len(missing) - (self.capacity - len(self.ready) - len(self.writing))
-            if need > len(evictable):
+            held = [*self.ready, *self.writing]
+            need = {  # every group has its own rows, and makes room among its own keys
+                g: sum(k.group == g for k in missing)
+                - (self.capacity - sum(k.group == g for k in held))
+                for g in {k.group for k in missing}
+            }
+            if any(n > sum(k.group == g for k in evictable) for g, n in need.items()):
                 no_room.append(rid)
                 continue
-            for _ in range(max(need, 0)):
+            for _ in range(sum(max(n, 0) for n in need.values())):
                 victim = next(removed)
                 assert victim in evictable  # ready, unpinned, not of this call; never writing
+                assert need[victim.group] > 0  # of a group that needed room
+                need[victim.group] -= 1
                 self.ready.discard(victim)
                 evictable.discard(victim)
             job = next(jobs)
@@ -400,7 +407,8 @@ class SessionMachine(RuleBasedStateMachine):
     @invariant()
     def capacity_is_never_exceeded(self) -> None:
         if self.capacity:
-            assert self.session.catalog.rows_used <= self.capacity
+            used = self.session.catalog.counters().group_rows_used
+        assert all(rows <= self.capacity for rows in used)  # every group's rows on their own
 
     @invariant()
     def the_catalog_equals_the_model(self) -> None:
@@ -410,9 +418,10 @@ class SessionMachine(RuleBasedStateMachine):
         assert {k for k, e in snapshot.items() if e.state is KeyState.READY} == self.ready
         assert {k for k, e in snapshot.items() if e.state is KeyState.WRITING} == set(self.writing)
         assert {k: e.pins for k, e in snapshot.items() if e.pins} == self.pins
-        rows = [e.row for e in snapshot.values()]
-        assert len(set(rows)) == len(rows)
-        assert all(0 <= row < self.capacity for row in rows)
+        for group in {key.group for key in snapshot}:  # each group's own rows
+            rows = [e.row for key, e in snapshot.items() if key.group == group]
+            assert len(set(rows)) == len(rows)
+            assert all(0 <= row < self.capacity for row in rows)
 
     @invariant()
     def the_jobs_and_requests_equal_the_model(self) -> None:

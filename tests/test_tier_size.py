@@ -14,6 +14,7 @@ import pytest
 
 from kvferry.adapters.config import KvferryConfig
 from kvferry.core.errors import InvalidInputError
+from kvferry.core.layout import TierLayout
 from kvferry.executors import host
 from kvferry.executors.host import HostTier, host_memory_bytes
 
@@ -39,7 +40,7 @@ def test_a_budget_above_the_host_memory_is_refused_naming_cpu_tier_bytes() -> No
 def test_a_host_tier_above_the_host_memory_is_refused_before_it_allocates() -> None:
     started = time.perf_counter()
     with pytest.raises(InvalidInputError) as caught:
-        HostTier(num_rows=1 << 50, row_bytes=4096)
+        HostTier(tier=TierLayout(rows=(1 << 50,), pitch=(4096,)))
     assert caught.value.field == "num_rows"
     assert "cpu_tier_bytes" in caught.value.expected
     assert time.perf_counter() - started < 1.0
@@ -51,7 +52,7 @@ def test_an_allocation_the_host_refuses_is_a_typed_error(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(host.mmap, "mmap", refuse)
     with pytest.raises(InvalidInputError) as caught:
-        HostTier(num_rows=4, row_bytes=4096)
+        HostTier(tier=TierLayout(rows=(4,), pitch=(4096,)))
     assert caught.value.field == "num_rows"
     assert "Cannot allocate memory" in str(caught.value)
 

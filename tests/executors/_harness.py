@@ -301,6 +301,7 @@ def expected_host(
     """Return the host tier after a store of `moves` from `source`, by plain loops."""
     host = before.copy()
     layout = model.executor.layout
+    tier = model.executor.host_tier.tier
     f = model.f
     for g, move in enumerate(moves):
         offsets = layout.groups[g].row_offsets(f)
@@ -309,7 +310,7 @@ def expected_host(
             row = move.rows[position // f]
             slot = position % f
             for r, (_t, data, off, stride, size) in enumerate(model.ref_pages(source, g)):
-                dst = row * layout.row_bytes + offsets[r] + slot * size
+                dst = tier.row_offset(g, row) + offsets[r] + slot * size
                 host[dst : dst + size] = data[off + block * stride : off + block * stride + size]
     return host
 
@@ -320,6 +321,7 @@ def expected_gpu(
     """Return the GPU buffers after a load of `moves` from `host`, by plain loops."""
     after = [[b.copy() for b in group] for group in before]
     layout = model.executor.layout
+    tier = model.executor.host_tier.tier
     f = model.f
     for g, move in enumerate(moves):
         offsets = layout.groups[g].row_offsets(f)
@@ -328,7 +330,7 @@ def expected_gpu(
             row = move.rows[position // f]
             slot = position % f
             for r, (t, _data, off, stride, size) in enumerate(model.ref_pages(before, g)):
-                src = row * layout.row_bytes + offsets[r] + slot * size
+                src = tier.row_offset(g, row) + offsets[r] + slot * size
                 after[g][t][off + block * stride : off + block * stride + size] = host[
                     src : src + size
                 ]

@@ -336,7 +336,7 @@ class StreamOrderModel(TorchOnCpuExecutor):
         tier = self.host_tier
         regions = [
             *self._regions,
-            (tier.address, tier.address + tier.num_rows * self.layout.row_bytes, ("tier",)),
+            (tier.address, tier.address + tier.nbytes, ("tier",)),
         ]
         for lo, hi, resource in regions:
             if lo <= address and address + nbytes <= hi:

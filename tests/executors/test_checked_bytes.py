@@ -49,7 +49,7 @@ def _compiled(bound: Any, layout: KVLayout, num_rows: int) -> int:
         layout.blocks_per_chunk,
         tuple(group.num_blocks for group in layout.groups),
         tuple(group.block_copy_bytes for group in layout.groups),
-        num_rows,
+        () if num_rows < 0 else (num_rows,) * layout.num_groups,
         plan.direction is Direction.STORE,
     )
 
@@ -97,14 +97,26 @@ def _cases(draw: st.DrawFn) -> tuple[Any, KVLayout, int]:
     return bound, _layout(f, layout_groups), num_rows
 
 
+def _group_rows(bound: Any) -> list[Any]:
+    """Return each group's rows of `bound` (every group has its own row ids)."""
+    plan, out, start = bound.plan, [], 0
+    for n, first in zip(plan.group_sizes, plan.block_indices, strict=True):
+        f = plan.blocks_per_chunk
+        count = (n + first % f + f - 1) // f if n > 0 else 0
+        out.append(bound.cpu_rows[start : start + count])
+        start += count
+    return out
+
+
 @given(_cases())
 def test_the_compiled_check_gives_check_bound_s_bytes_and_leaves_it_every_refusal(
     case: tuple[Any, KVLayout, int],
 ) -> None:
     bound, layout, num_rows = case
     compiled = _compiled(bound, layout, num_rows)
-    rows = bound.cpu_rows
-    left_to_check_bound = bound.plan.direction is Direction.STORE and not all(rows[1:] > rows[:-1])
+    left_to_check_bound = bound.plan.direction is Direction.STORE and not all(
+        all(rows[1:] > rows[:-1]) for rows in _group_rows(bound)
+    )
     try:
         expected = check_bound(bound, layout, num_rows=None if num_rows < 0 else num_rows)
     except PlanInvariantError:
@@ -117,6 +129,12 @@ def test_the_compiled_check_returns_the_bytes_of_a_plan_that_fits() -> None:
     layout = _layout(2, [(10, 16), (10, 8)])
     bound = _bound(2, [3, 2], [1, 0], [1, 2, 3, 4, 5], [0, 1, 2], store=False)
     assert _compiled(bound, layout, 3) == check_bound(bound, layout, num_rows=3) == 3 * 16 + 2 * 8
+
+
+def test_the_compiled_check_passes_a_store_whose_groups_reuse_each_other_s_row_ids() -> None:
+    layout = _layout(1, [(10, 16), (10, 8)])
+    bound = _bound(1, [2, 2], [0, 0], [1, 2, 3, 4], [0, 1, 0, 1], store=True)
+    assert _compiled(bound, layout, 2) == check_bound(bound, layout, num_rows=2) == 2 * 16 + 2 * 8
 
 
 def test_the_compiled_check_leaves_a_store_whose_rows_do_not_increase_to_check_bound() -> None:

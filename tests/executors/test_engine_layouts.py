@@ -124,9 +124,12 @@ def test_an_engine_layout_round_trips_its_pages_data_and_touches_nothing_else(
         )
         for b, before in zip(buffers, source, strict=True):
             np.testing.assert_array_equal(backend.read(b), before)
-        tier = executor.host_tier.array.reshape(ROWS, -1)
-        untouched = sorted(set(range(ROWS)) - {r for m in stored for r in m.rows})
-        assert (tier[untouched] == 0xAB).all()
+        layout = executor.host_tier.tier
+        for g, move in enumerate(stored):  # each group's own region, at its own pitch
+            start, pitch = layout.base[g], layout.pitch[g]
+            region = executor.host_tier.array[start : start + ROWS * pitch].reshape(ROWS, pitch)
+            untouched = sorted(set(range(ROWS)) - set(move.rows))
+            assert (region[untouched] == 0xAB).all()
         host_after = executor.host_tier.array.copy()
 
         for b in buffers:

@@ -7,6 +7,7 @@ import pytest
 from _harness import (
     LAYOUT_CASES,
     NUM_BLOCKS,
+    NUM_ROWS,
     POISON_HOST,
     GroupMove,
     Model,
@@ -39,20 +40,16 @@ def _model(name: str, case: str = "hybrid_three_groups", f: int = 3, **options: 
 
 
 def _store_moves(model: Model, rng: np.random.Generator, chunks: list[int]) -> list[GroupMove]:
-    """Whole chunks per group (0 chunks = an empty group), distinct ids and rows across groups."""
+    """Whole chunks per group (0 chunks = an empty group), distinct ids; each group draws its
+    rows from its own row ids, so groups share row numbers (in their own regions)."""
     f = model.f
-    rows = rng.permutation(16)
-    moves, used = [], 0
+    moves = []
     for c in chunks:
         ids = rng.choice(NUM_BLOCKS, size=c * f, replace=False)
+        rows = rng.permutation(NUM_ROWS)[:c]
         moves.append(
-            GroupMove(
-                ids=tuple(int(i) for i in ids),
-                first=0,
-                rows=tuple(int(r) for r in rows[used : used + c]),
-            )
+            GroupMove(ids=tuple(int(i) for i in ids), first=0, rows=tuple(int(r) for r in rows))
         )
-        used += c
     return moves
 
 
@@ -222,7 +219,7 @@ STAGING_EXECUTORS = [
 @pytest.mark.parametrize("case", ["hybrid_three_groups", "mamba_padded", "kv_split"])
 def test_a_staging_buffer_of_one_row_round_trips_in_many_batches(name: str, case: str) -> None:
     probe = _model(name, case, 3)
-    row_bytes = probe.executor.layout.row_bytes
+    row_bytes = probe.executor.layout.largest_row_bytes
     probe.executor.close()
     model = _model(name, case, 3, staging_bytes=row_bytes)
     groups = len(LAYOUT_CASES[case])

@@ -171,7 +171,7 @@ def test_a_small_staging_buffer_splits_a_transfer_into_batches_with_the_same_byt
 ) -> None:
     host_big, gpu_big = _destination_after(name)
     model = _model(name)
-    row = model.executor.layout.row_bytes
+    row = model.executor.layout.largest_row_bytes
     model.executor.close()
     host_small, gpu_small = _destination_after(name, staging_bytes=row)
     np.testing.assert_array_equal(host_big, host_small)
@@ -244,7 +244,7 @@ def _batched_model(name: str) -> Model:
     """A model whose staging halves hold one row: every job below is three batches, and each
     starts beside the last batch of the job before it."""
     model = _model(name)
-    row = model.executor.layout.row_bytes
+    row = model.executor.layout.largest_row_bytes
     model.executor.close()
     return _model(name, staging_bytes=2 * row)
 

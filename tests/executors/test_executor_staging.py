@@ -5,6 +5,7 @@ bytes as direct copies."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.expand import CopyList, check_bound, expand_pages
+from kvferry.core.layout import TierLayout
 from kvferry.core.plan import Direction, chunks_spanned
 from kvferry.executors.kernels import PIECE_BYTES
 from kvferry.executors.staging import (
@@ -46,24 +48,26 @@ def _replay(copies: CopyList, src_base: int, dst_base: int) -> None:
 
 
 def _batches(
-    model: Model, bound: BoundPlan, capacity: int, piece_bytes: int = 0
+    model: Model, bound: BoundPlan, capacity: int, piece_rows: int = 0
 ) -> list[StageBatch]:
+    layout = model.executor.layout
     planner = StagePlanner(
-        model.executor.layout,
+        layout,
         capacity=capacity,
         piece_bytes=PIECE_BYTES,
-        tier_piece_bytes=piece_bytes,
+        tier=model.executor.host_tier.tier,
+        rows_per_piece=(piece_rows,) * layout.num_groups if piece_rows else (),
     )
     return list(planner.plan(bound).batches)
 
 
-def _staged(model: Model, bound: BoundPlan, capacity: int, piece_bytes: int = 0) -> None:
+def _staged(model: Model, bound: BoundPlan, capacity: int, piece_rows: int = 0) -> None:
     """Run `bound` the way a GPU executor does, with a host array standing in for the staging
     and `segment_copies` for the staging kernel."""
     executor = model.executor
     stage = np.full(capacity, 0x77, dtype=np.uint8)
     stage_address, host = int(stage.ctypes.data), executor.host_tier.address
-    batches = _batches(model, bound, capacity, piece_bytes)
+    batches = _batches(model, bound, capacity, piece_rows)
     direction = bound.plan.direction
     ids = bound.plan.gpu_block_ids
     assert sum(b.nbytes for b in batches) == check_bound(bound, executor.layout)
@@ -94,7 +98,7 @@ def test_staged_store_and_load_match_direct_copies(case: str, rows_per_batch: in
     groups = len(LAYOUT_CASES[case])
     direct = Model(backend_for("cpu"), LAYOUT_CASES[case], f)
     staged = Model(backend_for("cpu"), LAYOUT_CASES[case], f)
-    capacity = rows_per_batch * direct.executor.layout.row_bytes
+    capacity = rows_per_batch * direct.executor.layout.largest_row_bytes
     rng = np.random.default_rng(5)
     direct.fill_random(rng)
     for a, b in zip(direct.buffers, staged.buffers, strict=True):
@@ -107,7 +111,7 @@ def test_staged_store_and_load_match_direct_copies(case: str, rows_per_batch: in
         for g, m in enumerate(_moves(f, groups, 0))
     ]
     direct.run(bound_plan(1, Direction.STORE, f, store))
-    _staged(staged, bound_plan(1, Direction.STORE, f, store), capacity, piece_bytes=capacity)
+    _staged(staged, bound_plan(1, Direction.STORE, f, store), capacity, piece_rows=rows_per_batch)
     np.testing.assert_array_equal(staged.executor.host_tier.array, direct.executor.host_tier.array)
     for model in (direct, staged):
         model.poison()
@@ -123,25 +127,30 @@ def test_a_staging_buffer_smaller_than_a_row_is_refused() -> None:
     model = Model(backend_for("cpu"), LAYOUT_CASES["mla"], 1)
     layout = model.executor.layout
     with pytest.raises(InvalidInputError, match="staging_bytes"):
-        StagePlanner(layout, capacity=layout.row_bytes - 1, piece_bytes=PIECE_BYTES)
+        StagePlanner(
+            layout,
+            capacity=layout.largest_row_bytes - 1,
+            piece_bytes=PIECE_BYTES,
+            tier=model.executor.host_tier.tier,
+        )
 
 
 @pytest.mark.parametrize("direction", list(Direction))
 def test_consecutive_full_rows_cross_the_link_in_one_copy(direction: Direction) -> None:
     model = Model(backend_for("cpu"), LAYOUT_CASES["blocks_first"], 1)
     bound = bound_plan(1, direction, 1, [GroupMove(ids=(9, 2, 30, 4), first=0, rows=(5, 6, 7, 8))])
-    (batch,) = _batches(model, bound, capacity=4 * model.executor.layout.row_bytes)
+    (batch,) = _batches(model, bound, capacity=4 * model.executor.layout.largest_row_bytes)
     assert len(batch.dma) == 1
-    assert batch.dma.total_bytes == 4 * model.executor.layout.row_bytes
+    assert batch.dma.total_bytes == 4 * model.executor.layout.largest_row_bytes
 
 
 def test_a_store_of_a_partial_chunk_writes_only_its_pages() -> None:
     model = Model(backend_for("cpu"), LAYOUT_CASES["blocks_first"], 3)
     layout = model.executor.layout
     bound = bound_plan(1, Direction.STORE, 3, [GroupMove(ids=(1, 2, 3, 4), first=0, rows=(0, 1))])
-    (batch,) = _batches(model, bound, capacity=2 * layout.row_bytes)
+    (batch,) = _batches(model, bound, capacity=2 * layout.largest_row_bytes)
     assert batch.dma.total_bytes == batch.nbytes
-    assert batch.dma.total_bytes < 2 * layout.row_bytes
+    assert batch.dma.total_bytes < 2 * layout.largest_row_bytes
 
 
 def test_the_slice_table_names_every_page_of_the_plan_once() -> None:
@@ -154,10 +163,10 @@ def test_the_slice_table_names_every_page_of_the_plan_once() -> None:
             segment_copies(
                 b.segments, b.refs, bound.plan.gpu_block_ids, direction=Direction.LOAD
             ).dst
-            for b in _batches(model, bound, capacity=layout.row_bytes)
+            for b in _batches(model, bound, capacity=layout.largest_row_bytes)
         ]
     )
-    expected = expand_pages(bound, layout).gpu_address
+    expected = expand_pages(bound, layout, model.executor.host_tier.tier).gpu_address
     assert sorted(gpu.tolist()) == sorted(expected.tolist())
     assert len(set(gpu.tolist())) == len(gpu)
 
@@ -165,7 +174,7 @@ def test_the_slice_table_names_every_page_of_the_plan_once() -> None:
 def test_each_batch_counts_its_kernel_pieces() -> None:
     model = Model(backend_for("cpu"), LAYOUT_CASES["blocks_first"], 1)
     bound = bound_plan(1, Direction.STORE, 1, [GroupMove(ids=(1, 2, 3), first=0, rows=(0, 1, 2))])
-    (batch,) = _batches(model, bound, capacity=3 * model.executor.layout.row_bytes)
+    (batch,) = _batches(model, bound, capacity=3 * model.executor.layout.largest_row_bytes)
     pages = segment_copies(
         batch.segments, batch.refs, bound.plan.gpu_block_ids, direction=Direction.STORE
     )
@@ -179,9 +188,13 @@ def _batch_rows(direction: Direction) -> list[int]:
     move = GroupMove(ids=tuple(range(16)), first=0, rows=tuple(range(16)))
     bound = bound_plan(1, direction, 1, [move])
     planner = StagePlanner(
-        layout, capacity=6 * layout.row_bytes, piece_bytes=PIECE_BYTES, ramp_bytes=layout.row_bytes
+        layout,
+        capacity=6 * layout.largest_row_bytes,
+        piece_bytes=PIECE_BYTES,
+        tier=model.executor.host_tier.tier,
+        ramp_bytes=layout.largest_row_bytes,
     )
-    return [b.stage_bytes // layout.row_bytes for b in planner.plan(bound).batches]
+    return [b.stage_bytes // layout.largest_row_bytes for b in planner.plan(bound).batches]
 
 
 def test_a_store_starts_with_a_small_batch_so_its_first_dma_starts_early() -> None:
@@ -221,6 +234,19 @@ def _staged_cases(draw: st.DrawFn) -> tuple[str, int, Direction, list[GroupMove]
     return case, f, direction, moves, capacity_rows, ramp_rows, piece_rows, kernel_piece
 
 
+def _assert_no_copy_crosses_a_piece(
+    regions: TierLayout, batches: Sequence[StageBatch], piece_rows: int, direction: Direction
+) -> None:
+    """Each group's region is pinned in pieces of `piece_rows` of its rows."""
+    bases = np.asarray(regions.base, np.int64)
+    for batch in batches:
+        tier_side = batch.dma.dst if direction is Direction.STORE else batch.dma.src
+        group = np.searchsorted(bases, tier_side, side="right") - 1
+        piece = piece_rows * np.asarray(regions.pitch, np.int64)[group]
+        first, last = tier_side - bases[group], tier_side + batch.dma.nbytes - 1 - bases[group]
+        assert (last // piece == first // piece).all()
+
+
 @pytest.mark.parametrize("kernel", ["numpy specification", "CUDA source run on the CPU"])
 @given(drawn=_staged_cases())
 def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
@@ -244,14 +270,15 @@ def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
     bound = bound_plan(1, direction, f, moves)
     planner = StagePlanner(
         layout,
-        capacity=capacity_rows * layout.row_bytes,
+        capacity=capacity_rows * layout.largest_row_bytes,
         piece_bytes=kernel_piece,
-        tier_piece_bytes=piece_rows * layout.row_bytes,
-        ramp_bytes=ramp_rows * layout.row_bytes,
+        tier=staged.executor.host_tier.tier,
+        rows_per_piece=(piece_rows,) * layout.num_groups if piece_rows else (),
+        ramp_bytes=ramp_rows * layout.largest_row_bytes,
     )
     batches = planner.plan(bound).batches
     assert sum(b.nbytes for b in batches) == check_bound(bound, layout)
-    assert all(b.stage_bytes <= capacity_rows * layout.row_bytes for b in batches)
+    assert all(b.stage_bytes <= capacity_rows * layout.largest_row_bytes for b in batches)
     for batch in batches:  # the kernel numbers pieces slice after slice, from 0 in each batch
         pieces = []
         for first_ref, refs, *_, count, _first_item in batch.segments.tolist():
@@ -264,11 +291,10 @@ def test_any_staged_plan_moves_exactly_the_bytes_of_direct_copies(
         np.testing.assert_array_equal(first_items, np.cumsum(pieces) - pieces)
         assert sum(pieces) == batch.items
     if piece_rows:  # no link copy crosses a registration boundary of the tier
-        piece = piece_rows * layout.row_bytes
-        for batch in batches:
-            tier_side = batch.dma.dst if direction is Direction.STORE else batch.dma.src
-            assert ((tier_side + batch.dma.nbytes - 1) // piece == tier_side // piece).all()
-    stage = np.full(capacity_rows * layout.row_bytes, 0x77, dtype=np.uint8)
+        _assert_no_copy_crosses_a_piece(
+            staged.executor.host_tier.tier, batches, piece_rows, direction
+        )
+    stage = np.full(capacity_rows * layout.largest_row_bytes, 0x77, dtype=np.uint8)
     stage_address, host = int(stage.ctypes.data), staged.executor.host_tier.address
     ids = bound.plan.gpu_block_ids
     store = direction is Direction.STORE

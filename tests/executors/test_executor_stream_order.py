@@ -125,7 +125,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
 
 @functools.cache
 def _row_bytes(case: str, f: int) -> int:
-    return _model(case, f, staging_bytes=1).executor.layout.row_bytes
+    return _model(case, f, staging_bytes=1).executor.layout.largest_row_bytes
 
 
 def _model(case: str, f: int, staging_bytes: int, *, submit_thread: bool = False) -> Model:

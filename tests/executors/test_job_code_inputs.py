@@ -20,7 +20,7 @@ def test_the_slicer_refuses_a_group_with_too_few_fields(jobs: JobCode) -> None:
 def test_run_copies_refuses_a_slice_naming_a_group_it_was_not_given(jobs: JobCode) -> None:
     line = np.array([[0, 1, 0, 2, 0]], np.int64).tobytes()  # batch 0, group 1 of 1
     with pytest.raises(ValueError, match="out of range"):
-        jobs.run_copies(line, [0], 1, 0, 4096, 0, False)
+        jobs.run_copies(line, [0], 1, [0], [0], [4096], [0], False)
 
 
 def test_the_row_check_refuses_rows_that_are_not_int64(jobs: JobCode) -> None:

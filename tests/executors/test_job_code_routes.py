@@ -67,7 +67,11 @@ def test_both_routes_slice_a_job_into_the_same_batches_and_link_copies(
     assert python.slice_batches(groups, store, capacity, min(ramp, capacity), f) == sliced
     lines, batches = sliced[1], len(sliced[3])
     key0 = [group[7] for group in groups]
-    runs = (lines, key0, batches, first_row, 128, per_piece, store)
+    count = len(groups)  # each group its own first row, region and pitch
+    first_rows = [first_row + 3 * g for g in range(count)]
+    bases = [1000 * g for g in range(count)]
+    pitches = [128 + 16 * g for g in range(count)]
+    runs = (lines, key0, batches, first_rows, bases, pitches, [per_piece] * count, store)
     assert python.run_copies(*runs) == native.run_copies(*runs)
 
 

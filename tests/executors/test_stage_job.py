@@ -73,7 +73,7 @@ def _made(case: str, f: int, rows_per_half: int, route: str) -> RecordingExecuto
     register_executor(NAME, "test_stage_job:RecordingExecutor")
     backend = TorchBackend(NAME, device="cpu")
     row_bytes = Model(backend, LAYOUT_CASES[case], f, route=route).executor
-    staging = 2 * rows_per_half * row_bytes.layout.row_bytes
+    staging = 2 * rows_per_half * row_bytes.layout.largest_row_bytes
     model = Model(  # the calls on this thread, for the test to read at once
         backend, LAYOUT_CASES[case], f, staging_bytes=staging, route=route, submit_thread=False
     )
@@ -86,14 +86,15 @@ def covered(executor: StagedGpuExecutor, bound: BoundPlan) -> bool:
     store's plan starts every group at a chunk's first slot: `TransferPlan` checks that)."""
     plan, layout = bound.plan, executor.layout
     f = layout.blocks_per_chunk
-    rows = bound.cpu_rows
-    if len(rows) > 1 and not bool((np.diff(rows) == 1).all()):
-        return False
-    for g, n in enumerate(plan.group_sizes):
+    rows, key = bound.cpu_rows, 0
+    for n, first in zip(plan.group_sizes, plan.block_indices, strict=True):
         if not n:
             continue
-        if layout.group_row_bytes(g) != layout.row_bytes:
-            return False
+        keys = (n + first % f + f - 1) // f
+        own = rows[key : key + keys]
+        key += keys
+        if len(own) > 1 and not bool((np.diff(own) == 1).all()):
+            return False  # each group's rows must be one run (in its own region)
         if plan.direction is Direction.STORE and n % f:
             return False
     return True
@@ -166,7 +167,8 @@ def _with_tier_pieces(executor: RecordingExecutor, piece_rows: int) -> None:
         layout,
         capacity=executor._half_bytes,
         piece_bytes=PIECE_BYTES,
-        tier_piece_bytes=piece_rows * layout.row_bytes,
+        tier=executor.host_tier.tier,
+        rows_per_piece=(piece_rows,) * layout.num_groups if piece_rows else (),
         code=executor._code,
     )
     executor._constants.clear()

@@ -219,7 +219,7 @@ class DriverRecorder(TorchOnCpuExecutor):
     def _where(self, at: int) -> tuple[Any, ...]:
         """Return the address `at` as (buffer, offset): the tier, or a staging half by direction."""
         tier = self.host_tier.address
-        if tier <= at < tier + self.host_tier.num_rows * self.layout.row_bytes:
+        if tier <= at < tier + self.host_tier.nbytes:
             return ("tier", at - tier)
         for direction, (_, halves) in self._staging.items():
             for half, base in enumerate(halves):
@@ -263,7 +263,7 @@ class DriverRecorder(TorchOnCpuExecutor):
 def _recorder(*, submit_thread: bool, rows_per_half: int = 2) -> DriverRecorder:
     register_executor(DriverRecorder.name, "test_submit_thread:DriverRecorder")
     probe = Model(TorchBackend(DriverRecorder.name, device="cpu"), LAYOUT_CASES["mla"], 1)
-    row_bytes = probe.executor.layout.row_bytes
+    row_bytes = probe.executor.layout.largest_row_bytes
     probe.executor.close()
     model = Model(
         TorchBackend(DriverRecorder.name, device="cpu"),
