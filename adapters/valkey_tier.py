@@ -19,18 +19,22 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from kvferry.adapters.session import OffloadSession
 from kvferry.adapters.shared_tier import (
     BackendCompletion,
     Op,
+    SharedTier,
     SharedTierError,
     SharedTierSettings,
     ValueRefused,
     decode_value,
     encode_value,
+    host_rows,
     key_name,
     namespace_of,
 )
 from kvferry.core.keys import OffloadKey
+from kvferry.executors.base import Executor
 
 
 def connect(settings: SharedTierSettings) -> Any:
@@ -284,3 +288,21 @@ def _describe(error: Exception) -> str:
     """Return a one-line description of a client error (the client never puts the password in
     its messages; the URL is not part of them)."""
     return f"{type(error).__name__}: {error}"
+
+
+def open_shared_tier(
+    session: OffloadSession, executor: Executor, settings: SharedTierSettings
+) -> SharedTier:
+    """Return a `SharedTier` on a Valkey/Redis server below `session`'s CPU tier, whose rows
+    are `executor`'s host tier, attached to the session (`attach_lower_tier`). Nothing is sent
+    to the server until the first lookup asks."""
+    layout = executor.layout
+    rows = host_rows(
+        executor.host_tier.array,
+        layout.row_bytes,
+        [layout.group_row_bytes(group) for group in range(layout.num_groups)],
+    )
+    backend = ValkeyBackend(settings, layout.fingerprint)
+    tier = SharedTier(backend, session.catalog, rows, settings)
+    session.attach_lower_tier(tier)
+    return tier
