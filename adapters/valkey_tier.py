@@ -40,7 +40,9 @@ from kvferry.executors.base import Executor
 def connect(settings: SharedTierSettings) -> Any:
     """Return a `redis.Redis` client for `settings` (not yet connected): the URL's host, port
     and database, its ACL user and password, TLS options, and `timeout_s` on every socket
-    operation, with no hidden retries. Raise SharedTierError when `redis` is not installed."""
+    operation, and one retry after a lost connection only (a connection the server dropped
+    when it restarted), never after a timeout. Raise SharedTierError when `redis` is not
+    installed."""
     try:
         import redis
         from redis.backoff import NoBackoff
@@ -68,7 +70,7 @@ def connect(settings: SharedTierSettings) -> Any:
         password=password,
         socket_timeout=settings.timeout_s,
         socket_connect_timeout=settings.timeout_s,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         health_check_interval=0,
         **options,
     )
