@@ -371,9 +371,9 @@ class SharedTier:
 
     @property
     def busy(self) -> bool:
-        """Return True while a request to the shared tier is in flight."""
+        """Return True while a request to the shared tier is queued or in flight."""
         with self._lock:
-            return bool(self._pending)
+            return bool(self._pending or self._to_probe)
 
     def counters(self) -> SharedTierCounters:
         """Return the running totals."""

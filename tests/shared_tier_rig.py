@@ -36,7 +36,9 @@ def compute_and_store(rig: Rig, tier: SharedTier, rid: str, hashes: tuple[bytes,
     tier.flush(5.0)
 
 
-def admit(rig: Rig, tier: SharedTier, request: RigRequest, limit_s: float = 5.0) -> BoundPlan | None:
+def admit(
+    rig: Rig, tier: SharedTier, request: RigRequest, limit_s: float = 5.0
+) -> BoundPlan | None:
     """Look `request` up each step (polling the tier between) until it is admitted; return
     its load job (delivered and its pages verified), or None when it loads nothing."""
     stop = time.monotonic() + limit_s

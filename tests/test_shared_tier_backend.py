@@ -55,7 +55,9 @@ def put(b: ValkeyBackend, keys: tuple[OffloadKey, ...]) -> BackendCompletion:
     return complete(b, b.submit_put(keys, rows, time.monotonic() + 5))
 
 
-def get(b: ValkeyBackend, keys: tuple[OffloadKey, ...]) -> tuple[BackendCompletion, list[bytearray]]:
+def get(
+    b: ValkeyBackend, keys: tuple[OffloadKey, ...]
+) -> tuple[BackendCompletion, list[bytearray]]:
     rows = [bytearray(1000) for _ in keys]
     done = complete(b, b.submit_get(keys, [memoryview(r) for r in rows], time.monotonic() + 5))
     return done, rows
