@@ -45,7 +45,7 @@ def free_port() -> int:
 class Server:
     """One server process; `start`, `stop`, `restart` (empty: it saves nothing)."""
 
-    def __init__(self, directory: Path, extra: Sequence[str] = ()) -> None:
+    def __init__(self, directory: Path, extra: Sequence[str] = (), *, tls: bool = False) -> None:
         binary = server_binary()
         if binary is None:
             pytest.skip("needs the `redis-server` or `valkey-server` binary")
@@ -53,16 +53,17 @@ class Server:
         self.directory = directory
         self.extra = list(extra)
         self.port = free_port()
+        self.tls = tls
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         args = [
             self.binary,
-            "--port",
+            *(("--port", "0", "--tls-port") if self.tls else ("--port",)),
             str(self.port),
             "--bind",
             "127.0.0.1",
@@ -83,6 +84,8 @@ class Server:
         while time.monotonic() < stop:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
+                    if self.tls:  # listening is all a plain socket can tell
+                        return
                     conn.sendall(b"PING\r\n")
                     answer = conn.recv(64)
                     if answer.startswith((b"+PONG", b"-NOAUTH")):
@@ -106,14 +109,37 @@ class Server:
         self.start()
 
 
-def server_in(directory: Path, extra: Sequence[str] = ()) -> Iterator[Server]:
+def server_in(directory: Path, extra: Sequence[str] = (), *, tls: bool = False) -> Iterator[Server]:
     """Yield a started server; stop it afterwards."""
-    server = Server(directory, extra)
+    server = Server(directory, extra, tls=tls)
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+def tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """Make a CA and a server certificate for 127.0.0.1 with `openssl`; return the CA's
+    certificate, the server's certificate and its key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the `openssl` command to make test certificates")
+    ca_key, ca, key, csr, cert = (
+        directory / name for name in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt")
+    )
+    ext = directory / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+            "/CN=kvferry test CA", "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", str(key), "-out", str(csr))  # fmt: skip
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+            "-CAcreateserial", "-days", "1", "-extfile", str(ext), "-out", str(cert))  # fmt: skip
+    return ca, cert, key
 
 
 class DelayProxy:
