@@ -113,6 +113,11 @@ class ValkeyBackend:
         self._thread.start()
 
     @property
+    def client(self) -> Any:
+        """Return the `redis.Redis` client (its connection serves this backend's thread)."""
+        return self._client
+
+    @property
     def namespace(self) -> bytes:
         """Return the key prefix of this model and layout."""
         return self._namespace
@@ -210,27 +215,52 @@ class ValkeyBackend:
 
     def _run(self, ticket: _Ticket) -> None:
         names = [self.name(key) for key in ticket.keys]
-        pipe = self._client.pipeline(transaction=False)
         if ticket.op is Op.CONTAINS:
-            for name in names:
-                pipe.exists(name)
-            answers = pipe.execute()
-            self._complete(ticket, [bool(a) for a in answers])
+            answers = self._pipelined([(b"EXISTS", name) for name in names])
+            self._complete(ticket, [answer == 1 for answer in answers])
         elif ticket.op is Op.GET:
-            for name in names:
-                pipe.get(name)
-            self._load(ticket, names, pipe.execute())
+            self._load(ticket, names, self._pipelined([(b"GET", name) for name in names]))
         else:
             values = [
                 encode_value(name, self._fingerprint, payload)
                 for name, payload in zip(names, ticket.payloads, strict=True)
             ]
-            for name, value in zip(names, values, strict=True):
-                pipe.set(name, value)
-            answers = pipe.execute(raise_on_error=False)
-            ok = [a is True for a in answers]
+            answers = self._pipelined(
+                [(b"SET", name, value) for name, value in zip(names, values, strict=True)]
+            )
+            ok = [answer is True or answer == b"OK" for answer in answers]
             nbytes = sum(len(p) for p, good in zip(ticket.payloads, ok, strict=True) if good)
             self._complete(ticket, ok, nbytes=nbytes)
+
+    def _pipelined(self, commands: list[tuple[bytes, ...]]) -> list[Any]:
+        """Send `commands` in one write and read one reply each (an error reply, such as a
+        full server's, stands in its place); retry once on a connection the server closed
+        (every command here is idempotent). Raise on a timeout or a second lost connection."""
+        import redis
+
+        pool = self._client.connection_pool
+        attempt = 0
+        while True:
+            connection = pool.get_connection()
+            try:
+                connection.send_packed_command(connection.pack_commands(commands))
+                replies: list[Any] = []
+                for _ in commands:
+                    try:
+                        replies.append(connection.read_response())
+                    except redis.ResponseError as error:
+                        replies.append(error)
+                return replies
+            except redis.ConnectionError:
+                connection.disconnect()
+                attempt += 1
+                if attempt > 1:
+                    raise
+            except BaseException:
+                connection.disconnect()  # replies may be left unread: never reuse it
+                raise
+            finally:
+                pool.release(connection)
 
     def _load(self, ticket: _Ticket, names: list[bytes], values: list[Any]) -> None:
         payloads: list[memoryview | None] = []
