@@ -16,7 +16,11 @@ from kvferry.adapters.shared_tier import SharedTierSettings
 
 pytestmark = needs_server()
 SECRET = "s3cret-Pa55word"
-USERS = f"user default off\nuser kv on >{SECRET} ~kvferry/* +@all\n"
+USERS = (
+    "user default off\n"
+    f"user kv on >{SECRET} ~kvferry/* +exists +get +set +hello +auth +ping\n"
+)
+"""The least an engine needs (docs/shared-tier.md, Security)."""
 
 
 def acl(directory: Path) -> list[str]:
