@@ -16,10 +16,7 @@ from kvferry.adapters.shared_tier import SharedTierSettings
 
 pytestmark = needs_server()
 SECRET = "s3cret-Pa55word"
-USERS = (
-    "user default off\n"
-    f"user kv on >{SECRET} ~kvferry/* +exists +get +set +hello +auth +ping\n"
-)
+USERS = f"user default off\nuser kv on >{SECRET} ~kvferry/* +exists +get +set +hello +auth +ping\n"
 """The least an engine needs (docs/shared-tier.md, Security)."""
 
 
