@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the demo's modules load when a demo runs, not with the pars
 
 def add_arguments(demo: argparse.ArgumentParser) -> None:
     """Add the shared tier's flags to the demo's parser."""
-    group = demo.add_argument_group("shared tier (docs/configuration.md, [shared_tier])")
+    group = demo.add_argument_group("shared tier (docs/shared-tier.md)")
     group.add_argument(
         "--shared-tier",
         metavar="URL",
@@ -42,6 +42,11 @@ def add_arguments(demo: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="engine processes sharing the tier, run one after the other (default 1)",
+    )
+    group.add_argument(
+        "--shared-tier-cluster",
+        action="store_true",
+        help="the URL names one node of a Valkey/Redis Cluster (the others are discovered)",
     )
     group.add_argument("--shared-tier-user", help="ACL user (AUTH user password)")
     group.add_argument(
@@ -84,6 +89,7 @@ def settings_from_args(args: argparse.Namespace, model: str) -> SharedTierSettin
         model=model,
         timeout_s=args.shared_tier_timeout,
         write_behind=WriteBehind(args.write_behind),
+        cluster=args.shared_tier_cluster,
         username=args.shared_tier_user,
         password=password,
         tls_ca_file=args.shared_tier_tls_ca,

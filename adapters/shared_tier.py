@@ -100,6 +100,9 @@ class SharedTierSettings:
     """ACL user (`AUTH user password`); None: the URL's, or the default user."""
     password: str | None = attrs.field(default=None, repr=False)
     """The password (overrides the URL's); never printed or logged."""
+    cluster: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    """The URL names one node of a Valkey/Redis Cluster: the others are discovered, and each
+    batch is split by hash slot over them."""
     tls_ca_file: str | None = None
     """CA bundle that verifies the server's certificate (TLS)."""
     tls_cert_file: str | None = None

@@ -38,7 +38,8 @@ from kvferry.executors.base import Executor
 
 
 def connect(settings: SharedTierSettings) -> Any:
-    """Return a `redis.Redis` client for `settings` (not yet connected): the URL's host, port
+    """Return a `redis.Redis` client for `settings` (not yet connected), or with `cluster` a
+    `RedisCluster` (which asks the node for the cluster's layout at once): the URL's host, port
     and database, its ACL user and password, TLS options, and `timeout_s` on every socket
     operation, and one retry after a lost connection only (a connection the server dropped
     when it restarted), never after a timeout. Raise SharedTierError when `redis` is not
@@ -62,18 +63,22 @@ def connect(settings: SharedTierSettings) -> Any:
             ssl_certfile=settings.tls_cert_file,
             ssl_keyfile=settings.tls_key_file,
         )
-    return redis.Redis(
-        host=parts.hostname or "127.0.0.1",
-        port=parts.port or 6379,
-        db=int(db) if db else 0,
-        username=user,
-        password=password,
-        socket_timeout=settings.timeout_s,
-        socket_connect_timeout=settings.timeout_s,
-        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-        health_check_interval=0,
+    retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+    common: dict[str, Any] = {
+        "host": parts.hostname or "127.0.0.1",
+        "port": parts.port or 6379,
+        "username": user,
+        "password": password,
+        "socket_timeout": settings.timeout_s,
+        "socket_connect_timeout": settings.timeout_s,
+        "retry": retry,
         **options,
-    )
+    }
+    if settings.cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster(**common)
+    return redis.Redis(db=int(db) if db else 0, health_check_interval=0, **common)
 
 
 @attrs.define(eq=False)
@@ -102,7 +107,9 @@ class ValkeyBackend:
         self._settings = settings
         self._fingerprint = fingerprint
         self._namespace = namespace_of(settings.model, fingerprint)
-        self._client = connect(settings) if client is None else client
+        self._client: Any = client
+        if client is None and not settings.cluster:  # a cluster client connects when made:
+            self._client = connect(settings)  # the backend's thread makes that one
         self._queue: queue.SimpleQueue[_Ticket | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[BackendCompletion] = queue.SimpleQueue()
         self._arrived = threading.Event()
@@ -114,7 +121,13 @@ class ValkeyBackend:
 
     @property
     def client(self) -> Any:
-        """Return the `redis.Redis` client (its connection serves this backend's thread)."""
+        """Return the client (its connection serves this backend's thread), made now if the
+        backend's thread has not made it yet."""
+        return self._connected()
+
+    def _connected(self) -> Any:
+        if self._client is None:
+            self._client = connect(self._settings)
         return self._client
 
     @property
@@ -216,28 +229,33 @@ class ValkeyBackend:
     def _run(self, ticket: _Ticket) -> None:
         names = [self.name(key) for key in ticket.keys]
         if ticket.op is Op.CONTAINS:
-            answers = self._pipelined([(b"EXISTS", name) for name in names])
+            answers = self._pipelined([("EXISTS", name) for name in names])
             self._complete(ticket, [answer == 1 for answer in answers])
         elif ticket.op is Op.GET:
-            self._load(ticket, names, self._pipelined([(b"GET", name) for name in names]))
+            self._load(ticket, names, self._pipelined([("GET", name) for name in names]))
         else:
             values = [
                 encode_value(name, self._fingerprint, payload)
                 for name, payload in zip(names, ticket.payloads, strict=True)
             ]
             answers = self._pipelined(
-                [(b"SET", name, value) for name, value in zip(names, values, strict=True)]
+                [("SET", name, value) for name, value in zip(names, values, strict=True)]
             )
             ok = [answer is True or answer == b"OK" for answer in answers]
             nbytes = sum(len(p) for p, good in zip(ticket.payloads, ok, strict=True) if good)
             self._complete(ticket, ok, nbytes=nbytes)
 
-    def _pipelined(self, commands: list[tuple[bytes, ...]]) -> list[Any]:
+    def _pipelined(self, commands: list[tuple[str | bytes, ...]]) -> list[Any]:
         """Send `commands` in one write and read one reply each (an error reply, such as a
         full server's, stands in its place); retry once on a connection the server closed
         (every command here is idempotent). Raise on a timeout or a second lost connection."""
         import redis
 
+        if self._settings.cluster:  # the cluster client splits the batch by hash slot
+            pipe = self._connected().pipeline()
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(pipe.execute(raise_on_error=False))
         pool = self._client.connection_pool
         attempt = 0
         while True:
@@ -266,7 +284,7 @@ class ValkeyBackend:
         payloads: list[memoryview | None] = []
         refused: list[ValueRefused] = []
         for name, value, row in zip(names, values, ticket.rows, strict=True):
-            if value is None:
+            if not isinstance(value, bytes):  # absent, or an error reply
                 payloads.append(None)
                 continue
             got = decode_value(value, name, self._fingerprint, len(row))

@@ -45,14 +45,21 @@ def free_port() -> int:
 class Server:
     """One server process; `start`, `stop`, `restart` (empty: it saves nothing)."""
 
-    def __init__(self, directory: Path, extra: Sequence[str] = (), *, tls: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        extra: Sequence[str] = (),
+        *,
+        tls: bool = False,
+        port: int | None = None,
+    ) -> None:
         binary = server_binary()
         if binary is None:
             pytest.skip("needs the `redis-server` or `valkey-server` binary")
         self.binary = binary
         self.directory = directory
         self.extra = list(extra)
-        self.port = free_port()
+        self.port = free_port() if port is None else port
         self.tls = tls
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -189,3 +196,48 @@ class DelayProxy:
         self._listener.close()
         for sock in self._sockets:
             sock.close()
+
+
+def cluster_in(directory: Path, nodes: int = 3) -> Iterator[list[Server]]:
+    """Yield the started nodes of a cluster (every slot assigned, no replicas); stop them
+    afterwards. Skips without the `redis-cli` or `valkey-cli` that creates it."""
+    cli = shutil.which("valkey-cli") or shutil.which("redis-cli")
+    if cli is None:
+        pytest.skip("needs `redis-cli` or `valkey-cli` to create a cluster")
+    servers = []
+    try:
+        for index in range(nodes):
+            folder = directory / f"node{index}"
+            folder.mkdir()
+            port = free_port()
+            while port > 55535:  # a node's bus listens on its port + 10000
+                port = free_port()
+            flags = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            server = Server(folder, flags, port=port)
+            server.start()
+            servers.append(server)
+        addresses = [f"127.0.0.1:{server.port}" for server in servers]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        stop = time.monotonic() + 30
+        while time.monotonic() < stop:
+            states = [
+                subprocess.run(
+                    [cli, "-p", str(server.port), "cluster", "info"],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout
+                for server in servers
+            ]
+            if all("cluster_state:ok" in state for state in states):
+                break
+            time.sleep(0.1)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
