@@ -39,7 +39,7 @@ def add_arguments(demo: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--replicas",
-        type=int,
+        type=_positive,
         default=1,
         help="engine processes sharing the tier, run one after the other (default 1)",
     )
@@ -69,6 +69,13 @@ def add_arguments(demo: argparse.ArgumentParser) -> None:
         default=WriteBehind.ON_STORE.value,
         help="when stores are written to the shared tier (default on-store)",
     )
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def settings_from_args(args: argparse.Namespace, model: str) -> SharedTierSettings | None:

@@ -529,6 +529,8 @@ class SharedTier:
             self._finish_promotion(good, success=True)
             self._finish_promotion(bad, success=False)
             self._mark_absent(bad, now)
+            if len(self._promoted) > _ABSENT_PRUNE:  # promoted keys evicted before a load
+                self._promoted = {key for key in self._promoted if self._catalog_row(key) >= 0}
             self._promoted.update(good)
             self._counts["promoted"] += len(good)
             self._counts["promoted_bytes"] += done.nbytes

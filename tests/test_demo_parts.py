@@ -177,6 +177,7 @@ def _report(**changes: object) -> DemoReport:
     fields: dict[str, object] = {a.name: 0 for a in attrs.fields(DemoReport)}
     fields.update(profile="p", title="t", scale="s", executor="cpu", device="cpu")
     fields.update(eviction_policy="lru", wall_seconds=0.0, store_seconds=0.0, load_seconds=0.0)
+    fields.update(shared_tier=None, shared=None, replica=None)  # a run without a shared tier
     fields.update(changes)
     return DemoReport(**fields)  # type: ignore[arg-type]
 
