@@ -12,10 +12,11 @@ import attrs
 import pytest
 from valkey_server import Server, needs_server, server_in
 
+from kvferry.adapters.config import KvferryConfig
 from kvferry.adapters.demo import DemoOptions, run_demo
 from kvferry.adapters.demo_profiles import ProfileName
 from kvferry.adapters.demo_shared import run_replicas, summary
-from kvferry.adapters.shared_tier import SharedTierSettings
+from kvferry.adapters.shared_tier import SharedTierSettings, WriteBehind
 
 pytestmark = needs_server()
 
@@ -43,6 +44,20 @@ def test_replica_b_loads_the_prefixes_replica_a_computed(server: Server) -> None
     assert b.shared.refused == b.shared.errors == b.shared.timeouts == 0
     assert b.pages_verified > 0  # a wrong byte would have raised
     assert b.recomputed_tokens < a.recomputed_tokens
+
+
+def test_written_behind_on_eviction_replica_b_loads_what_a_evicted(server: Server) -> None:
+    small = KvferryConfig.from_mapping({"cpu_tier_bytes": "48MiB"})
+    settings = SharedTierSettings(
+        url=server.url, model="llama", write_behind=WriteBehind.ON_EVICTION
+    )
+    run = DemoOptions(profile=ProfileName.LLAMA, requests=16, config=small, shared_tier=settings)
+    a, b = run_replicas(run, 2)
+    assert a.shared is not None and b.shared is not None
+    assert a.chunks_evicted > 0
+    assert a.shared.written == a.chunks_evicted  # each evicted chunk, nothing else
+    assert b.shared.loaded_from_shared > 0
+    assert b.pages_verified > 0
 
 
 def test_the_two_replica_summary_passes_only_when_b_reused_a_prefix(server: Server) -> None:
