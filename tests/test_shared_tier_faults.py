@@ -18,8 +18,9 @@ from kvferry.adapters.valkey_tier import connect
 
 pytestmark = needs_server()
 PROMPT = chain(8, family=0, shared=0)
-STEP_BUDGET_S = 0.05
-"""What one call of an engine's step may take at most here (it does no network I/O)."""
+STEP_BUDGET_S = 0.15
+"""What one call of an engine's step may take at most here: far below the proxy's delay, so
+a call that waited on the network would show (the margin is for a loaded machine)."""
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def test_a_server_restarted_empty_makes_requests_recompute(server: Server) -> No
 def test_a_slow_server_times_out_and_the_step_never_waits(server: Server) -> None:
     a, tier_a = replica(server.url)
     compute_and_store(a, tier_a, "r1", PROMPT)
-    proxy = DelayProxy(server.port, delay_s=0.5)
+    proxy = DelayProxy(server.port, delay_s=1.0)
     try:
         b, tier_b = replica(proxy.url, timeout_s=0.2)
         request = b.arrive("r1", PROMPT)
@@ -88,7 +89,7 @@ def test_a_slow_server_times_out_and_the_step_never_waits(server: Server) -> Non
             slowest = max(slowest, time.monotonic() - lookup_start)
             tier_b.wait(0.01)
             assert time.monotonic() - start < 2.0, "still told to retry"
-        assert time.monotonic() - start < 0.2 + 0.3  # given up at the timeout
+        assert time.monotonic() - start < 0.2 + 0.5  # given up at the timeout
         assert slowest < STEP_BUDGET_S
         counters = tier_b.counters()
         assert counters.timeouts + counters.errors == 1  # given up by the client or the tier
