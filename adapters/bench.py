@@ -62,6 +62,12 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "lost, memory flat",
         needs_gpu=False,
     ),
+    "shared-tier": BenchmarkEntry(
+        module="kvferry.benchmarks.shared_tier",
+        summary="promotion GB/s into CPU rows and lookup latency on Valkey/Redis against a "
+        "plain pipelined GET/EXISTS",
+        needs_gpu=False,
+    ),
 }
 """The benchmarks `kvferry bench` runs, in the order it runs them all."""
 

@@ -35,6 +35,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from kvferry.adapters import demo_shared
     from kvferry.adapters.config import KvferryConfig
     from kvferry.adapters.demo import DemoOptions, ProgressBar, run_demo
     from kvferry.adapters.demo_profiles import ProfileName
@@ -49,13 +50,22 @@ def _demo(args: argparse.Namespace) -> int:
     config = KvferryConfig.from_mapping(
         {k: v for k, v in flags.items() if v is not None}, base=config
     )
+    profile = ProfileName.from_name(args.profile)
     options = DemoOptions(
-        profile=ProfileName.from_name(args.profile),
+        profile=profile,
         requests=args.requests,
         seed=args.seed,
         config=config,
         tp=args.tp,
+        shared_tier=demo_shared.settings_from_args(args, profile.value),
     )
+    if options.shared_tier is not None and args.replicas > 1:
+        reports = demo_shared.run_replicas(options, args.replicas)
+        for report in reports:
+            sys.stdout.write((report.to_json() if args.json else report.to_table()) + "\n")
+        closing, passed = demo_shared.summary(reports)
+        sys.stdout.write(closing)
+        return 0 if passed else EXIT_FAILED
     progress = None if args.no_progress else ProgressBar(sys.stderr)
     try:
         report = run_demo(options, progress=progress, warn=_warn)
@@ -171,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bar (one is drawn on stderr only when it is a terminal)",
     )
+    from kvferry.adapters import demo_shared
+
+    demo_shared.add_arguments(demo)
     demo.set_defaults(run=_demo)
 
     from kvferry.adapters.bench import listing

@@ -24,6 +24,7 @@ from kvferry.adapters.demo_report import DemoReport
 from kvferry.adapters.demo_workload import ChatWorkload, WorkloadShape
 from kvferry.adapters.offloading import ExecutorFactory, build_offloading
 from kvferry.adapters.session import OffloadSession
+from kvferry.adapters.shared_tier import SharedTier, SharedTierSettings
 from kvferry.adapters.workers import WorkerPool
 from kvferry.core.catalog import Catalog
 from kvferry.core.config import OffloadConfig
@@ -46,6 +47,10 @@ class DemoOptions:
     """Executor, CPU tier, eviction policy, F, decoded-token stores."""
     tp: int | None = None
     """Tensor-parallel ranks, one worker process each; None: one rank, in this process."""
+    shared_tier: SharedTierSettings | None = None
+    """A shared tier (Valkey/Redis) below the CPU tier; one rank only (`tp` None)."""
+    replica: str | None = None
+    """The name of this replica in the report, when several share the tier."""
 
 
 class ProgressBar:
@@ -210,7 +215,12 @@ def run_demo(
                 expected="no executor_factory or torch_device (workers make executors by name)",
                 got=options.tp,
             )
+        if options.shared_tier is not None:
+            raise InvalidInputError(
+                field="shared_tier", expected="one rank (no tp) with a shared tier", got=options.tp
+            )
         ranks, session, pitches = _process_ranks(options, profile, offload, options.tp)
+    shared: SharedTier | None = None
     devices = (
         tuple(info.device for info in ranks.pool.infos) if isinstance(ranks, ProcessRanks) else ()
     )
@@ -224,6 +234,10 @@ def run_demo(
             answer_tokens=profile.answer_tokens,
         )
         workload = ChatWorkload(shape, seed=options.seed, num_requests=options.requests)
+        if options.shared_tier is not None and isinstance(ranks, LocalRanks):
+            from kvferry.adapters.valkey_tier import open_shared_tier
+
+            shared = open_shared_tier(session, ranks.executor, options.shared_tier)
         engine = DemoEngine(
             profile=profile,
             config=offload,
@@ -232,12 +246,15 @@ def run_demo(
             workload=workload,
             total_requests=options.requests,
             progress=progress,
+            shared=shared,
         )
         tally = engine.run()
         counters = session.counters()
         verified = ranks.pages_verified
         device = ranks.executor.device if isinstance(ranks, LocalRanks) else devices[0]
     finally:
+        if shared is not None:
+            shared.close()
         ranks.close()
     return DemoReport(
         profile=profile.name.value,
@@ -284,4 +301,7 @@ def run_demo(
         rank_devices=devices,
         ranks_note=describe_ranks(devices) if devices else None,
         pages_verified_per_rank=verified if devices else (),
+        shared_tier=None if options.shared_tier is None else options.shared_tier.safe_url,
+        shared=None if shared is None else shared.counters(),
+        replica=options.replica,
     )

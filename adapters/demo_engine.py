@@ -20,6 +20,7 @@ from kvferry.adapters.demo_ranks import DemoRanks
 from kvferry.adapters.demo_workload import ChatWorkload, Turn
 from kvferry.adapters.messages import Completions
 from kvferry.adapters.session import OffloadSession, RunningRequest
+from kvferry.adapters.shared_tier import SharedTier
 from kvferry.adapters.workers import report_all
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan
@@ -184,8 +185,11 @@ class DemoEngine:
         workload: ChatWorkload,
         total_requests: int,
         progress: Callable[[int, int, int], None] | None = None,
+        shared: SharedTier | None = None,
     ) -> None:
         self._profile = profile
+        self._shared = shared
+        """The shared tier below the CPU tier, polled once per step (None: none)."""
         self._config = config
         self._session = session
         self._ranks = ranks
@@ -225,6 +229,8 @@ class DemoEngine:
             self._step()
         self._store([])  # the last stores of the requests that finished last
         self._drain()
+        if self._shared is not None:  # the last writes behind, for the other replicas
+            self._shared.flush()
         return self.tally
 
     def _new(self, turn: Turn) -> _Request:
@@ -236,9 +242,14 @@ class DemoEngine:
 
     def _step(self) -> None:
         self._collect(self._ranks.poll())
+        if self._shared is not None:
+            self._shared.poll()
         self._admit()
         if not self._running:
             self._store([])  # the last stores of requests that finished, if any
+            if self._shared is not None and self._shared.busy and not self._jobs:
+                self._shared.wait(0.01)  # waiting requests retry until it answers
+                return
             if not self._jobs:
                 head = self._waiting[0].turn.request_id if self._waiting else "none"
                 raise EngineStalledError(
@@ -395,6 +406,8 @@ class DemoEngine:
         self._collect(self._ranks.wait([job.job_id]))
         plan = job.plan
         self._ranks.verify(plan, request.ids)
+        if self._shared is not None:
+            self._shared.count_loaded(plan.keys)
         self.tally.load_jobs += 1
         self.tally.chunks_loaded += len(plan.keys)
         first = gpu // self._block

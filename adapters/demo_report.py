@@ -10,6 +10,8 @@ from typing import Any
 
 import attrs
 
+from kvferry.adapters.shared_tier import SharedTierCounters
+
 
 @attrs.frozen(kw_only=True)
 class DemoReport:
@@ -103,6 +105,12 @@ class DemoReport:
     ranks_note: str | None = None
     """Where the ranks ran, saying when several shared one GPU."""
     pages_verified_per_rank: tuple[int, ...] = ()
+    shared_tier: str | None = None
+    """The shared tier's URL (password hidden), or None when the run had none."""
+    shared: SharedTierCounters | None = None
+    """What the run did with the shared tier."""
+    replica: str | None = None
+    """Which replica this run was (A, B, ...) when several shared the tier."""
     """Loaded pages verified on each rank (each checks its own shard's bytes)."""
 
     @property
@@ -182,14 +190,16 @@ class DemoReport:
                     "%; in no window a lookup can load)",
                 )
             )
+        rows += self._shared_rows()
         rows += [
             ("pages verified", f"{self.pages_verified:,}"),
             ("wall time", f"{self.wall_seconds:.1f} s"),
         ]
         width = max(len(name) for name, _ in rows)
+        replica = f"replica {self.replica}: " if self.replica else ""
         head = [
-            f"kvferry demo: profile {self.profile}, executor {self.executor} ({self.device}), "
-            f"seed {self.seed}",
+            f"kvferry demo: {replica}profile {self.profile}, executor {self.executor} "
+            f"({self.device}), seed {self.seed}",
             f"  model: {self.title}",
             f"  scaled: {self.scale}; {self.block_size}-token blocks, F = "
             f"{self.blocks_per_chunk}, {self.gpu_blocks} GPU blocks per group",
@@ -202,6 +212,8 @@ class DemoReport:
                 )
             ),
         ]
+        if self.shared_tier is not None:
+            head.append(f"  shared tier: {self.shared_tier}")
         verified = self.verified
         if self.ranks_note:
             head.append(f"  tensor parallel {self.tp}: {self.ranks_note}")
@@ -211,6 +223,37 @@ class DemoReport:
             verified += f" ({per_rank})"
         body = [f"{name:<{width}}  {value}" for name, value in rows]
         return "\n".join([*head, "", *body, "", verified]) + "\n"
+
+    def _shared_rows(self) -> list[tuple[str, str]]:
+        """Return the table's rows of the shared tier (none without one)."""
+        shared = self.shared
+        if shared is None:
+            return []
+        failed = shared.promotion_failures + shared.write_failures + shared.no_room
+        return [
+            (
+                "chunks loaded from CPU / shared",
+                f"{self.chunks_loaded - shared.loaded_from_shared:,} / "
+                f"{shared.loaded_from_shared:,}",
+            ),
+            (
+                "shared tier asked / found",
+                f"{shared.probes:,} / {shared.found:,} chunks",
+            ),
+            (
+                "promoted shared->CPU",
+                f"{shared.promoted:,} chunks, {_size(shared.promoted_bytes)}",
+            ),
+            (
+                "written behind CPU->shared",
+                f"{shared.written:,} chunks, {_size(shared.written_bytes)}",
+            ),
+            (
+                "shared tier failures",
+                f"{failed:,} chunks recomputed or not written ({shared.refused} refused, "
+                f"{shared.timeouts} timeouts, {shared.errors} errors)",
+            ),
+        ]
 
 
 def _size(nbytes: int) -> str:

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import attrs
 
+from kvferry.core.arrays import IdArray
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent, Lock, locked_method
 from kvferry.core.checks import at_least
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
-from kvferry.core.keys import KeyStatus, OffloadKey
+from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
@@ -166,6 +167,24 @@ def _check_distinct(request_id: str, keys: Sequence[OffloadKey]) -> None:
         seen.add(key)
 
 
+class LowerTier(Protocol):
+    """A tier below the CPU tier (e.g. `kvferry.adapters.shared_tier.SharedTier`): what the
+    session tells it. Its calls run under the session's lock and must not call the session."""
+
+    def view(self, above: KeyStatusView) -> KeyStatusView:
+        """Return the view lookups read: `above` (the CPU tier's) with this tier's keys."""
+        ...
+
+    def stored(self, keys: Sequence[OffloadKey]) -> None:
+        """Hear that a store made `keys` ready in the CPU tier."""
+        ...
+
+    def evicting(self, keys: Sequence[OffloadKey], rows: IdArray) -> None:
+        """Hear that `keys` were evicted from `rows`, whose bytes a store will overwrite once
+        the call returns (copy them now or never)."""
+        ...
+
+
 class _DryRunTier:
     """A tier that has every key, and checks the keys a store asks about: planning a store
     against it raises what planning it for real would raise (the inputs are checked before
@@ -223,7 +242,8 @@ class OffloadSession:
         self._catalog = catalog
         self._world_size = world_size
         self._fingerprint = layout_fingerprint
-        self._lookup_view = catalog.view(pinned_as_pending=True)
+        self._lookup_view: KeyStatusView = catalog.view(pinned_as_pending=True)
+        self._lower: LowerTier | None = None
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_job = 1
@@ -277,6 +297,13 @@ class OffloadSession:
     def drain_events(self) -> tuple[CatalogEvent, ...]:
         """Return and forget the catalog's stored/removed events (see CatalogConfig)."""
         return self._catalog.drain_events()
+
+    @locked_method
+    def attach_lower_tier(self, tier: LowerTier) -> None:
+        """Put `tier` below the CPU tier: lookups read its view, and it hears of stores and
+        evictions (docs/semantics.md, "The shared tier")."""
+        self._lower = tier
+        self._lookup_view = tier.view(self._catalog.view(pinned_as_pending=True))
 
     # -- the calls of a request's life --------------------------------------------------------
 
@@ -517,6 +544,8 @@ class OffloadSession:
         reservation = self._catalog.reserve(
             asked, positions=self._positions(request.state, asked), request=rid
         )
+        if reservation is not None and reservation.evicted and self._lower is not None:
+            self._lower.evicting(reservation.evicted, reservation.evicted_rows)
         if reservation is None or reservation.keys != plan.keys:
             if reservation is not None:  # never with distinct keys; give the rows back
                 self._catalog.complete_store(reservation.keys, success=False)
@@ -801,6 +830,8 @@ class OffloadSession:
         if job.direction is Direction.STORE:
             if job.keys:  # a last store given up before it was planned has none
                 self._catalog.complete_store(job.keys, success=success)
+                if success and self._lower is not None:
+                    self._lower.stored(job.keys)
         else:
             self._catalog.unpin(job.keys)
             if not success:  # the rows may hold bad bytes: never hand them out again

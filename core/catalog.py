@@ -199,11 +199,22 @@ class Reservation:
     """The row of each key of `keys`, same order."""
     evicted: tuple[OffloadKey, ...] = ()
     """Ready keys evicted to make the room, first victim first."""
+    evicted_rows: IdArray = attrs.field(
+        default=(), converter=frozen_ids, eq=attrs.cmp_using(eq=arrays_equal)
+    )
+    """The row each key of `evicted` held: its bytes are still there until the reservation's
+    store overwrites them (a tier below may copy them out first)."""
 
     def __attrs_post_init__(self) -> None:
         if self.rows.shape != (len(self.keys),):
             raise PlanInvariantError(
                 field="rows", expected=f"one row per key ({len(self.keys)})", got=self.rows.shape
+            )
+        if self.evicted_rows.shape != (len(self.evicted),):
+            raise PlanInvariantError(
+                field="evicted_rows",
+                expected=f"one row per evicted key ({len(self.evicted)})",
+                got=self.evicted_rows.shape,
             )
 
 
@@ -504,6 +515,7 @@ class Catalog:
         self._touch(present_ready, request)
         if victims:  # the touch may reorder the candidates, never their number
             new, victims = self._victims(keys)
+        victim_rows = [self._rows[key] for key in victims]
         for key in victims:
             self._evict(key)
         if victims:
@@ -517,7 +529,9 @@ class Catalog:
             self._writing[key] = (position_of.get(key, 0), request)
             rows.append(row)
         self._misses += len(new)
-        return Reservation(keys=tuple(new), rows=rows, evicted=tuple(victims))
+        return Reservation(
+            keys=tuple(new), rows=rows, evicted=tuple(victims), evicted_rows=victim_rows
+        )
 
     @locked_method
     def complete_store(self, keys: Sequence[OffloadKey], *, success: bool) -> None:

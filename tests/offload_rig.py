@@ -76,7 +76,7 @@ class Rig:
         self,
         config: OffloadConfig,
         *,
-        capacity_rows: int,
+        capacity_rows: int | tuple[int, ...],
         num_blocks: int = 256,
         policy: EvictionPolicyKind = EvictionPolicyKind.LRU,
     ) -> None:

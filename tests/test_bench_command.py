@@ -36,8 +36,8 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-def test_the_four_benchmarks_are_known_by_name() -> None:
-    assert list(BENCHMARKS) == ["transfer", "interference", "planner", "stress"]
+def test_the_five_benchmarks_are_known_by_name() -> None:
+    assert list(BENCHMARKS) == ["transfer", "interference", "planner", "stress", "shared-tier"]
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))

@@ -179,6 +179,7 @@ def _report(**changes: object) -> DemoReport:
     fields.update(eviction_policy="lru", wall_seconds=0.0, store_seconds=0.0, load_seconds=0.0)
     fields.update(cpu_tier_rows=(4, 4), cpu_tier_row_bytes=(1 << 20, 1 << 10))
     fields.update(group_kinds=("full_attention", "mamba"))
+    fields.update(shared_tier=None, shared=None, replica=None)  # a run without a shared tier
     fields.update(changes)
     return DemoReport(**fields)  # type: ignore[arg-type]
 
