@@ -7,7 +7,7 @@ to rows and job ids, and holds no planning rule of its own; it never copies a by
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 import attrs
@@ -25,8 +25,17 @@ from kvferry.core.plan import Direction
 from kvferry.core.state import RequestState, check_hash_count, extend_keys, new_request_state
 from kvferry.core.store import StoreDecision, StoreOutcome, due_for_store, plan_store
 
+BlockTable = Callable[[], Iterable[GroupBlocks]]
+"""A request's block table read on demand: the session calls it only for a request whose store
+is due this step (most decode steps, few are), so an engine that resolves tables lazily pays
+for the few it needs."""
 
-def _blocks_tuple(value: Iterable[GroupBlocks]) -> tuple[GroupBlocks, ...]:
+
+def _blocks_tuple(
+    value: Iterable[GroupBlocks] | BlockTable,
+) -> tuple[GroupBlocks, ...] | BlockTable:
+    if callable(value):
+        return value
     return tuple(value)
 
 
@@ -36,8 +45,9 @@ class RunningRequest:
 
     request_id: str = attrs.field(validator=attrs.validators.instance_of(str))
     """The engine's request id."""
-    blocks: tuple[GroupBlocks, ...] = attrs.field(converter=_blocks_tuple)
-    """The request's whole block table, one GroupBlocks per group (resent after preemption)."""
+    blocks: tuple[GroupBlocks, ...] | BlockTable = attrs.field(converter=_blocks_tuple)
+    """The request's whole block table, one GroupBlocks per group (resent after preemption),
+    or a `BlockTable` returning it, called at most once and only when a store is due."""
     num_computed_tokens: int = attrs.field(validator=at_least(0))
     """Tokens whose KV existed before this step."""
     num_scheduled_tokens: int = attrs.field(validator=at_least(0))
@@ -49,6 +59,18 @@ class RunningRequest:
     and only when its length changed since the session last saw it."""
     num_prompt_tokens: int | None = None
     """Prompt length; needed only when the session has not seen the request (else ignored)."""
+    _table: list[tuple[GroupBlocks, ...]] = attrs.field(
+        factory=list, init=False, eq=False, repr=False
+    )
+
+    def block_table(self) -> tuple[GroupBlocks, ...]:
+        """Return the block table, one GroupBlocks per group (a `BlockTable` called once)."""
+        blocks = self.blocks
+        if not callable(blocks):
+            return blocks
+        if not self._table:
+            self._table.append(tuple(blocks()))
+        return self._table[0]
 
 
 @attrs.frozen(kw_only=True)
@@ -443,7 +465,7 @@ class OffloadSession:
         plan_store(
             self._config,
             request.state,
-            running.blocks,
+            running.block_table(),
             num_computed_tokens=running.num_computed_tokens,
             num_scheduled_tokens=running.num_scheduled_tokens,
             num_tokens=running.num_tokens,
@@ -489,7 +511,7 @@ class OffloadSession:
         return plan_store(
             self._config,
             request.state,
-            running.blocks,
+            running.block_table(),
             num_computed_tokens=running.num_computed_tokens,
             num_scheduled_tokens=running.num_scheduled_tokens,
             num_tokens=running.num_tokens,
