@@ -150,9 +150,18 @@ class _Request:
     jobs: set[int] = attrs.field(factory=set)
     fence: set[int] | None = None
     finished: bool = False
+    due_at: tuple[RequestState, int] | None = None
+    """For the state it was read from: the fewest stored tokens at which a store is due (some
+    group completes a chunk past its store cursor)."""
 
 
 _T = TypeVar("_T")
+
+
+def _next_chunk_end(cursor: int, chunk_tokens: int) -> int:
+    """Return the tokens at which a group whose store cursor is `cursor` completes its next
+    chunk: `done // chunk_tokens > cursor` exactly when `done` reaches it."""
+    return (cursor + 1) * chunk_tokens
 
 
 def _listed(values: Iterable[_T], kind: type[_T], field: str) -> list[_T]:
@@ -386,6 +395,47 @@ class OffloadSession:
         return BoundPlan(
             job_id=job.job_id, plan=plan, cpu_rows=rows, layout_fingerprint=self._fingerprint
         )
+
+    @locked_method
+    def store_candidates(
+        self,
+        request_ids: Sequence[str],
+        *,
+        num_computed_tokens: Sequence[int],
+        num_scheduled_tokens: Sequence[int],
+        num_tokens: Sequence[int],
+    ) -> list[int]:
+        """Return the positions, in `request_ids` (this step's running requests, with their
+        token counts at the same positions), of those `start_stores` must be given: every
+        request whose store is due (some group completes a chunk past its store cursor, the
+        rule of `due_for_store`), and every request the session has not seen or has finished
+        (`start_stores` creates or refuses it).
+
+        For any other request `start_stores` plans nothing and changes nothing that a later
+        step does not redo, so an engine may leave it out, and build only the inputs of the
+        few requests due at a decode step. Each known request's threshold is kept with the
+        state it was read from; the call is one comparison per request.
+        """
+        chunks = self._config.all_chunk_tokens
+        prompt_only = not self._config.store_decoded_tokens
+        get = self._requests.get
+        picked = []
+        for index, rid in enumerate(request_ids):
+            request = get(rid)
+            if request is None or request.finished:
+                picked.append(index)
+                continue
+            state = request.state
+            due_at = request.due_at
+            if due_at is None or due_at[0] is not state:
+                at = min(map(_next_chunk_end, state.store_cursor, chunks))
+                due_at = request.due_at = (state, at)
+            done = min(num_computed_tokens[index] + num_scheduled_tokens[index], num_tokens[index])
+            if prompt_only:
+                done = min(done, state.num_prompt_tokens)
+            if done >= due_at[1]:
+                picked.append(index)
+        return picked
 
     @locked_method
     def start_stores(self, requests: Iterable[RunningRequest]) -> StoreStep:

@@ -560,20 +560,28 @@ class _SchedulerSide:
                 self._flush |= self._session.preempt(rid)
         self._fence_reallocated(scheduler_output)
         block_state = scheduler_output.kv_connector_block_state
-        scheduled = scheduler_output.num_scheduled_tokens
-        requests = self._requests
+        ids, computed = _scheduled_columns(scheduler_output)
+        scheduled = list(map(scheduler_output.num_scheduled_tokens.__getitem__, ids))
+        requests = list(map(self._requests.__getitem__, ids))
+        num_tokens = [request.num_tokens for request in requests]
+        due = self._session.store_candidates(
+            ids,
+            num_computed_tokens=computed,
+            num_scheduled_tokens=scheduled,
+            num_tokens=num_tokens,
+        )
         offloaded = self._shape.groups.offloaded
-        running = [
+        running = [  # only the requests a store may be due for: their tables are read
             RunningRequest(
-                request_id=rid,
-                blocks=_BlockTable(block_state, rid, offloaded),
-                num_computed_tokens=computed,
-                num_scheduled_tokens=int(scheduled[rid]),
-                num_tokens=(request := requests[rid]).num_tokens,
-                block_hashes=request.block_hashes,
-                num_prompt_tokens=request.num_prompt_tokens,
+                request_id=ids[index],
+                blocks=_BlockTable(block_state, ids[index], offloaded),
+                num_computed_tokens=computed[index],
+                num_scheduled_tokens=int(scheduled[index]),
+                num_tokens=num_tokens[index],
+                block_hashes=requests[index].block_hashes,
+                num_prompt_tokens=requests[index].num_prompt_tokens,
             )
-            for rid, computed in _scheduled(scheduler_output)
+            for index in due
         ]
         step = self._session.start_stores(running)
         for job in step.jobs:
@@ -850,12 +858,20 @@ def _allocated_blocks(scheduler_output: Any) -> Iterator[int]:
         yield copy.dst_block_id
 
 
-def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, int]]:
-    """Yield (request id, num_computed_tokens) of every scheduled request, new ones first."""
-    for data in scheduler_output.scheduled_new_reqs:
-        yield data.req_id, int(data.num_computed_tokens)
+def _scheduled_columns(scheduler_output: Any) -> tuple[list[str], list[int]]:
+    """Return the ids and num_computed_tokens of every scheduled request, new ones first."""
+    ids = [data.req_id for data in scheduler_output.scheduled_new_reqs]
+    computed = [int(data.num_computed_tokens) for data in scheduler_output.scheduled_new_reqs]
     cached = scheduler_output.scheduled_cached_reqs
-    yield from zip(cached.req_ids, (int(n) for n in cached.num_computed_tokens), strict=True)
+    if len(cached.req_ids) != len(cached.num_computed_tokens):
+        raise InvalidInputError(
+            field="scheduler_output.scheduled_cached_reqs.num_computed_tokens",
+            expected=f"one count per request ({len(cached.req_ids)})",
+            got=len(cached.num_computed_tokens),
+        )
+    ids += cached.req_ids
+    computed += map(int, cached.num_computed_tokens)
+    return ids, computed
 
 
 # -- worker side -----------------------------------------------------------------------------------
