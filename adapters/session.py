@@ -382,10 +382,11 @@ class OffloadSession:
         if plan.is_empty:
             request.state = state
             return None
-        rows = self._catalog.pin(plan.keys, request=request_id)
+        keys = plan.keys.as_tuple()
+        rows = self._catalog.pin(keys, request=request_id)
         cursor_before = request.state.store_cursor
         request.state = state
-        job = self._new_job(request_id, request, Direction.LOAD, plan.keys)
+        job = self._new_job(request_id, request, Direction.LOAD, keys)
         job.cursor_before = cursor_before
         job.recompute = RecomputeRange(
             request_id=request_id,

@@ -2,23 +2,27 @@
 
 A message a scheduler sends every step should cost microseconds, not the milliseconds of
 pretty JSON: a 2048-block load plan in three groups is ~6 000 keys and block ids, which JSON
-writes and parses one number at a time. Here every array of a plan travels as its raw
-little-endian bytes, read back by `np.frombuffer` without a Python loop per number; only the
-keys (one `OffloadKey` per chunk, which a plan holds) are rebuilt one by one. JSON
+writes and parses one number at a time. Here every column of a plan travels as its raw
+little-endian bytes, read back by `np.frombuffer` without a Python step per number or key: the
+keys' groups as an i64 array, their hashes back to back (one length for all, or one length per
+hash when they differ), and the worker gets them as a `KeyColumn` again, which makes an
+`OffloadKey` only when something reads one (a worker never does). JSON
 (`kvferry.adapters.messages.encode_jobs`) stays the readable form: golden files, `kvferry plan`,
 and debugging.
 
+Numpy only: the worker side's import chain needs nothing more than the executors do.
+
 Layout (little-endian): the magic `MAGIC`, a u16 format version, a u32 job count, then per job
 a fixed header (`_JOB`) followed by the request id and layout fingerprint (UTF-8), the group
-sizes and block indices (i64 each), the key groups (u32), the key hash lengths (u32), the key
-hashes back to back, the GPU block ids and the CPU rows (i64). Decoding is strict: every length
-is checked against the bytes left, and a plan is validated like any other; bad input raises
-InvalidInputError naming the field.
+sizes and block indices (i64 each), the key groups (i64), then either (hash width > 0) the
+hashes back to back, or (width 0) the hash lengths (u32) and the hashes, then the GPU block
+ids and the CPU rows (i64). Decoding is strict: every length is checked against the bytes
+left, and a plan is validated like any other; bad input raises InvalidInputError naming the
+field.
 """
 
 from __future__ import annotations
 
-import itertools
 import struct
 from collections.abc import Sequence
 
@@ -26,21 +30,20 @@ import numpy as np
 
 from kvferry.core.bound import BoundPlan
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.keys import OffloadKey
+from kvferry.core.keys import KeyColumn
 from kvferry.core.plan import Direction, TransferPlan
 
 MAGIC = b"KVFJ"
 """The first bytes of a binary jobs message (never the `{` a JSON message starts with)."""
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 """Bumped whenever the layout changes."""
 
 _HEAD = struct.Struct("<4sHI")
-_JOB = struct.Struct("<qBIIIIIIi")
+_JOB = struct.Struct("<qBIIIIIIiI")
 """job id, direction (0 load, 1 store), blocks per chunk, groups, keys, GPU ids, CPU rows,
-request id bytes, fingerprint bytes (-1: none)."""
+request id bytes, fingerprint bytes (-1: none), hash width (0: one length per hash)."""
 _DIRECTIONS = (Direction.LOAD, Direction.STORE)
 _I64 = np.dtype("<i8")
-_make_key = tuple.__new__  # what OffloadKey(group, h) does, without its Python-level __new__
 _U32 = np.dtype("<u4")
 
 
@@ -57,7 +60,13 @@ def encode_jobs_binary(jobs: Sequence[BoundPlan]) -> bytes:
         rid = plan.request_id.encode("utf-8")
         fingerprint = None if job.layout_fingerprint is None else job.layout_fingerprint.encode()
         keys = plan.keys
-        hashes = [key.block_hash for key in keys]
+        blob, width = keys.hash_blob()
+        if width > 0:
+            hash_parts = [blob]
+        else:
+            hashes = keys.hashes()
+            lengths = np.fromiter(map(len, hashes), dtype=_U32, count=len(hashes))
+            hash_parts = [lengths.tobytes(), b"".join(hashes)]
         parts += [
             _JOB.pack(
                 job.job_id,
@@ -69,14 +78,14 @@ def encode_jobs_binary(jobs: Sequence[BoundPlan]) -> bytes:
                 len(job.cpu_rows),
                 len(rid),
                 -1 if fingerprint is None else len(fingerprint),
+                max(width, 0),
             ),
             rid,
             fingerprint or b"",
             np.asarray(plan.group_sizes, dtype=_I64).tobytes(),
             np.asarray(plan.block_indices, dtype=_I64).tobytes(),
-            np.fromiter((key.group for key in keys), dtype=_U32, count=len(keys)).tobytes(),
-            np.fromiter(map(len, hashes), dtype=_U32, count=len(keys)).tobytes(),
-            b"".join(hashes),
+            keys.groups.astype(_I64, copy=False).tobytes(),
+            *hash_parts,
             np.asarray(plan.gpu_block_ids, dtype=_I64).tobytes(),
             np.asarray(job.cpu_rows, dtype=_I64).tobytes(),
         ]
@@ -102,8 +111,12 @@ class _Reader:
         return chunk
 
     def array(self, count: int, dtype: np.dtype[np.generic], field: str) -> np.ndarray:
-        raw = self.take(count * dtype.itemsize, field)
-        return np.frombuffer(raw, dtype=dtype)
+        size = count * dtype.itemsize
+        if size < 0 or self.at + size > len(self.data):
+            self.take(size, field)  # raises, naming the field
+        array = np.frombuffer(self.data, dtype=dtype, count=count, offset=self.at)
+        self.at += size
+        return array
 
     def text(self, size: int, field: str) -> str:
         try:
@@ -124,9 +137,18 @@ def decode_jobs_binary(data: bytes | bytearray | memoryview) -> tuple[BoundPlan,
         raise InvalidInputError(field="wire_version", expected=str(WIRE_VERSION), got=version)
     jobs = []
     for _ in range(count):
-        (job_id, direction, per_chunk, groups, num_keys, num_ids, num_rows, rid_len, fp_len) = (
-            _JOB.unpack(reader.take(_JOB.size, "jobs[]"))
-        )
+        (
+            job_id,
+            direction,
+            per_chunk,
+            groups,
+            num_keys,
+            num_ids,
+            num_rows,
+            rid_len,
+            fp_len,
+            width,
+        ) = _JOB.unpack(reader.take(_JOB.size, "jobs[]"))
         if direction >= len(_DIRECTIONS):
             raise InvalidInputError(
                 field="direction", expected="0 (load) or 1 (store)", got=direction
@@ -135,23 +157,21 @@ def decode_jobs_binary(data: bytes | bytearray | memoryview) -> tuple[BoundPlan,
         fingerprint = None if fp_len == -1 else reader.text(fp_len, "layout_fingerprint")
         group_sizes = reader.array(groups, _I64, "group_sizes").tolist()
         block_indices = reader.array(groups, _I64, "block_indices").tolist()
-        key_groups = reader.array(num_keys, _U32, "keys").tolist()
-        lengths = reader.array(num_keys, _U32, "keys")
-        blob = reader.take(int(lengths.sum()), "keys")
-        if num_keys and int(lengths.min()) == int(lengths.max()):  # one hash size: strides
-            size = int(lengths[0])
-            hashes = [blob[at : at + size] for at in range(0, num_keys * size, size)]
+        key_groups = reader.array(num_keys, _I64, "keys")
+        if width:
+            keys = KeyColumn.of_blob(key_groups, reader.take(num_keys * width, "keys"), width)
         else:
+            lengths = reader.array(num_keys, _U32, "keys")
+            blob = reader.take(int(lengths.sum()), "keys")
             ends = np.cumsum(lengths).tolist()
             hashes = [blob[s:e] for s, e in zip([0, *ends[:-1]], ends, strict=True)]
-        pairs = zip(key_groups, hashes, strict=True)
-        keys = tuple(map(_make_key, itertools.repeat(OffloadKey), pairs))
+            keys = KeyColumn.of_hashes(key_groups, hashes)
         plan = TransferPlan(
             request_id=request_id,
             direction=_DIRECTIONS[direction],
             blocks_per_chunk=per_chunk,
             keys=keys,
-            gpu_block_ids=reader.array(num_ids, _I64, "gpu_block_ids").astype(np.int64),
+            gpu_block_ids=reader.array(num_ids, _I64, "gpu_block_ids"),
             group_sizes=group_sizes,
             block_indices=block_indices,
         )
@@ -159,7 +179,7 @@ def decode_jobs_binary(data: bytes | bytearray | memoryview) -> tuple[BoundPlan,
             BoundPlan(
                 job_id=job_id,
                 plan=plan,
-                cpu_rows=reader.array(num_rows, _I64, "cpu_rows").astype(np.int64),
+                cpu_rows=reader.array(num_rows, _I64, "cpu_rows"),
                 layout_fingerprint=fingerprint,
             )
         )

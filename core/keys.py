@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, final, overload
+
+import numpy as np
+import numpy.typing as npt
 
 from kvferry.core.errors import InvalidInputError
 
@@ -28,14 +32,26 @@ class OffloadKey(NamedTuple):
 
 
 class _Column:
-    """The append-only storage chains made from one another share: the chunks' hashes, and the
-    keys made from them so far (a prefix of the hashes, grown as keys are read)."""
+    """The append-only storage chains made from one another share: the chunks' hashes, the
+    keys made from them so far (a prefix of the hashes, grown as keys are read), and the hashes'
+    one length (-1 once two differ, 0 while there is none)."""
 
-    __slots__ = ("hashes", "keys")
+    __slots__ = ("hashes", "keys", "width")
 
-    def __init__(self, hashes: list[bytes], keys: list[OffloadKey]) -> None:
+    def __init__(self, hashes: list[bytes], keys: list[OffloadKey], width: int = 0) -> None:
         self.hashes = hashes
         self.keys = keys
+        self.width = _width_with(width, hashes)
+
+
+def _width_with(width: int, added: list[bytes]) -> int:
+    """Return the one length of hashes of length `width` (0: none yet) and `added`, or -1."""
+    if not added or width == -1:
+        return width
+    lengths = set(map(len, added))
+    if width:
+        lengths.add(width)
+    return lengths.pop() if len(lengths) == 1 else -1
 
 
 @final
@@ -102,6 +118,8 @@ class KeyChain(Sequence[OffloadKey]):
         if shared:
             store.extend(added)  # one step under the GIL; another thread may have gone first:
             shared = store[length:end] == added  # are the entries past `length` ours?
+            if shared:
+                column.width = _width_with(column.width, added)
         if not shared:  # an older chain (or a race lost): copy its part
             column = _Column(store[:length] + added, column.keys[:length])
         chain = _new(KeyChain)
@@ -109,6 +127,16 @@ class KeyChain(Sequence[OffloadKey]):
         _set_group(chain, group)
         _set_length(chain, end)
         return chain
+
+    def hash_slice(self, start: int, stop: int) -> list[bytes]:
+        """Return the hashes of keys `start` to `stop` (clipped to the chain), no key made."""
+        return self._column.hashes[start : min(stop, self._length)]
+
+    @property
+    def hash_width(self) -> int:
+        """Return the length every hash of the chain's column has (-1 when they differ, 0 for
+        none), a bound for the chain's own hashes."""
+        return self._column.width
 
     def _keys_to(self, end: int) -> list[OffloadKey]:
         """Return the column's key list, made up to entry `end` at least."""
@@ -207,6 +235,156 @@ def _group_of(group: int, keys: list[OffloadKey]) -> int:
             field="keys", expected="keys of one group per chain", got=sorted(groups)
         )
     return groups.pop() if groups else group
+
+
+@final
+class KeyColumn(Sequence[OffloadKey]):
+    """Keys listed group by group, held as two columns: their groups (an int64 array) and their
+    hashes (a list of bytes, or one blob of equal-length hashes back to back). An immutable
+    sequence of `OffloadKey`s that makes them only when a caller reads them (a plan's JSON, the
+    catalog), kept for the next read; a message carries the columns as they are. Compares
+    equal to another column, or to a tuple, with the same keys, and hashes like that tuple.
+    """
+
+    __slots__ = ("_blob", "_groups", "_hashes", "_tuple", "_width")
+    _groups: npt.NDArray[np.int64]
+    _hashes: list[bytes] | None
+    _blob: bytes | None
+    _width: int
+    _tuple: tuple[OffloadKey, ...] | None
+
+    def __init__(self, keys: Iterable[OffloadKey] = ()) -> None:
+        """Make a column of `keys`; raise InvalidInputError unless each is an OffloadKey."""
+        listed = tuple(keys)
+        _check_keys(list(listed))
+        groups = np.fromiter(map(_GROUP, listed), dtype=np.int64, count=len(listed))
+        _fill(self, groups, hashes=list(map(_HASH, listed)), blob=None, width=0, keys=listed)
+
+    @classmethod
+    def of_hashes(
+        cls, groups: npt.NDArray[np.int64], hashes: list[bytes], width: int = 0
+    ) -> KeyColumn:
+        """Return the column of keys `(groups[i], hashes[i])`, no key made. `width` is the one
+        length of the hashes when the caller knows it (else 0, or -1 when they differ)."""
+        _check_groups(groups, len(hashes))
+        column = _new(KeyColumn)
+        _fill(column, groups, hashes=hashes, blob=None, width=width, keys=None)
+        return column
+
+    @classmethod
+    def of_blob(cls, groups: npt.NDArray[np.int64], blob: bytes, width: int) -> KeyColumn:
+        """Return the column of keys whose hashes, each `width` bytes, are `blob` back to
+        back; raise InvalidInputError unless the blob holds exactly one hash per group entry."""
+        if width < 1 or len(blob) != width * len(groups):
+            raise InvalidInputError(
+                field="keys",
+                expected=f"{len(groups)} hashes of {width} bytes",
+                got=f"{len(blob)} bytes",
+            )
+        _check_groups(groups, len(groups))
+        column = _new(KeyColumn)
+        _fill(column, groups, hashes=None, blob=blob, width=width, keys=None)
+        return column
+
+    @property
+    def groups(self) -> npt.NDArray[np.int64]:
+        """Return each key's group (a read-only int64 array)."""
+        return self._groups
+
+    def hashes(self) -> list[bytes]:
+        """Return each key's hash, in order (the list is the column's own: do not change it)."""
+        if self._hashes is None:
+            blob, width = self._blob or b"", self._width
+            self._hashes = [blob[at : at + width] for at in range(0, len(blob), width)]
+        return self._hashes
+
+    def hash_blob(self) -> tuple[bytes, int]:
+        """Return the hashes back to back and their one length, or `(b"", -1)` when their
+        lengths differ (the caller then needs `hashes`)."""
+        if self._blob is None:
+            hashes = self.hashes()
+            width = self._width if self._width else _width_with(0, hashes)
+            self._width = width
+            if width == -1:
+                return b"", -1
+            self._blob = b"".join(hashes)
+        return self._blob, self._width
+
+    def as_tuple(self) -> tuple[OffloadKey, ...]:
+        """Return the keys as a tuple of OffloadKeys (made once, then kept)."""
+        if self._tuple is None:
+            pairs = zip(self._groups.tolist(), self.hashes(), strict=True)
+            self._tuple = tuple(map(_make, itertools.repeat(OffloadKey), pairs))
+        return self._tuple
+
+    def of_group(self, group: int) -> tuple[OffloadKey, ...]:
+        """Return the keys of `group`, in order."""
+        start, stop = np.searchsorted(self._groups, [group, group + 1]).tolist()
+        return self.as_tuple()[start:stop]
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    @overload
+    def __getitem__(self, index: int) -> OffloadKey: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[OffloadKey, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> OffloadKey | tuple[OffloadKey, ...]:
+        return self.as_tuple()[index]
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(self.as_tuple())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, KeyColumn):
+            return np.array_equal(self._groups, other._groups) and (self.hashes() == other.hashes())
+        if isinstance(other, tuple):
+            return self.as_tuple() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.as_tuple())
+
+    def __repr__(self) -> str:
+        return f"KeyColumn({list(self.as_tuple())!r})"
+
+
+_GROUP = operator.itemgetter(0)
+_HASH = operator.itemgetter(1)
+
+
+def _fill(
+    column: KeyColumn,
+    groups: npt.NDArray[np.int64],
+    *,
+    hashes: list[bytes] | None,
+    blob: bytes | None,
+    width: int,
+    keys: tuple[OffloadKey, ...] | None,
+) -> None:
+    groups = np.asarray(groups, dtype=np.int64)
+    groups.setflags(write=False)
+    object.__setattr__(column, "_groups", groups)
+    object.__setattr__(column, "_hashes", hashes)
+    object.__setattr__(column, "_blob", blob)
+    object.__setattr__(column, "_width", width)
+    object.__setattr__(column, "_tuple", keys)
+
+
+def _check_groups(groups: object, count: int) -> None:
+    if not isinstance(groups, np.ndarray) or groups.ndim != 1 or groups.dtype.kind not in "iu":
+        raise InvalidInputError(field="keys", expected="a 1-D integer array of groups", got=groups)
+    if len(groups) != count:
+        raise InvalidInputError(
+            field="keys", expected=f"one group per hash ({count})", got=len(groups)
+        )
+
+
+def key_column(value: Iterable[OffloadKey]) -> KeyColumn:
+    """Return `value` as a KeyColumn (a column as it is)."""
+    return value if isinstance(value, KeyColumn) else KeyColumn(value)
 
 
 class KeyStatus(enum.IntEnum):

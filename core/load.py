@@ -5,6 +5,7 @@ Pure: returns the plan and the next request state; the caller pins keys and runs
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -14,7 +15,7 @@ from kvferry.core.blocks import GroupBlocks
 from kvferry.core.checks import check_count, unchecked
 from kvferry.core.config import GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.keys import OffloadKey
+from kvferry.core.keys import KeyColumn
 from kvferry.core.plan import Direction, TransferPlan, check_distinct_destinations
 from kvferry.core.state import RequestState
 
@@ -49,7 +50,8 @@ def check_block_lists(
 class _GroupLoad:
     first: int
     end: int
-    keys: tuple[OffloadKey, ...]
+    hashes: list[bytes]
+    """The hashes of the keys loaded (no key object is made)."""
     next_cursor: int
 
 
@@ -89,7 +91,7 @@ def _plan_group(
     moved_to = 0 if state.store_loaded or cached_tokens == num_computed_tokens else end_chunk
     cursor = max(state.store_cursor[group], min(moved_to, len(state.keys[group])))
     if taken.all():  # nothing to fill (also when the range is empty)
-        return _GroupLoad(first=0, end=0, keys=(), next_cursor=cursor)
+        return _GroupLoad(first=0, end=0, hashes=[], next_cursor=cursor)
     first = lo + int(np.argmin(taken))  # the first block not taken
     later_taken = taken[first - lo :]
     if later_taken.any():
@@ -107,8 +109,15 @@ def _plan_group(
             " tokens (the request's complete chunks)",
             cached_tokens - num_computed_tokens,
         )
-    keys = state.keys[group][first // f : end_chunk]
-    return _GroupLoad(first=first, end=n_gpu, keys=keys, next_cursor=cursor)
+    hashes = state.keys[group].hash_slice(first // f, end_chunk)
+    return _GroupLoad(first=first, end=n_gpu, hashes=hashes, next_cursor=cursor)
+
+
+def _one_width(state: RequestState, groups: Sequence[int]) -> int:
+    """Return the one length of the hashes of `groups`' key chains (0 when unknown)."""
+    widths = {state.keys[g].hash_width for g in groups}
+    width = widths.pop() if len(widths) == 1 else 0
+    return max(width, 0)
 
 
 def plan_load(
@@ -158,7 +167,11 @@ def plan_load(
         request_id=state.request_id,
         direction=Direction.LOAD,
         blocks_per_chunk=config.blocks_per_chunk,
-        keys=sum((load.keys for load in loads), ()),  # few groups: faster than a chain
+        keys=KeyColumn.of_hashes(
+            np.repeat(np.arange(len(loads), dtype=np.int64), [len(x.hashes) for x in loads]),
+            list(itertools.chain.from_iterable(load.hashes for load in loads)),
+            _one_width(state, [g for g, load in enumerate(loads) if load.hashes]),
+        ),
         gpu_block_ids=gpu_block_ids,
         group_sizes=tuple(load.end - load.first for load in loads),
         block_indices=tuple(load.first for load in loads),

@@ -21,7 +21,7 @@ from kvferry.core.blocks import GroupBlocks
 from kvferry.core.checks import check_count, unchecked_evolver, unchecked_maker
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.keys import KeyColumn, KeyStatus, KeyStatusView, OffloadKey
 from kvferry.core.load import check_block_lists
 from kvferry.core.plan import Direction, TransferPlan
 from kvferry.core.state import RequestState
@@ -353,7 +353,7 @@ def plan_store(
         request_id=request,
         direction=Direction.STORE,
         blocks_per_chunk=f,
-        keys=tuple(keys),
+        keys=KeyColumn(keys),
         gpu_block_ids=gpu_block_ids,
         group_sizes=sizes,
         block_indices=firsts,
