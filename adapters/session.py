@@ -18,12 +18,18 @@ from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent, Lock, l
 from kvferry.core.checks import at_least
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
-from kvferry.core.keys import KeyStatus, OffloadKey
+from kvferry.core.keys import OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
 from kvferry.core.state import RequestState, check_hash_count, extend_keys, new_request_state
-from kvferry.core.store import StoreDecision, StoreOutcome, due_for_store, plan_store
+from kvferry.core.store import (
+    StoreDecision,
+    StoreOutcome,
+    check_store_inputs,
+    due_for_store,
+    plan_store,
+)
 
 BlockTable = Callable[[], Iterable[GroupBlocks]]
 """A request's block table read on demand: the session calls it only for a request whose store
@@ -195,24 +201,6 @@ def _check_distinct(request_id: str, keys: Sequence[OffloadKey]) -> None:
                 got=key.block_hash.hex(),
             )
         seen.add(key)
-
-
-class _DryRunTier:
-    """A tier that has every key, and checks the keys a store asks about: planning a store
-    against it raises what planning it for real would raise (the inputs are checked before
-    the tier is asked), then stops at once (nothing to store), reserving nothing."""
-
-    def __init__(self, request_id: str) -> None:
-        self._request_id = request_id
-
-    def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
-        """Check that the keys do not repeat; return HIT for every key."""
-        _check_distinct(self._request_id, keys)
-        return [KeyStatus.HIT] * len(keys)
-
-    def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
-        """Return True (never asked: every key is present)."""
-        return True
 
 
 class OffloadSession:
@@ -511,17 +499,16 @@ class OffloadSession:
         return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room), released=tuple(released))
 
     def _check_store(self, running: RunningRequest, request: _Request) -> None:
-        """Raise what planning `running`'s store would raise, reserving nothing (a dry run of
-        `plan_store` against a tier that has every key: its inputs are checked, then it stops)."""
-        plan_store(
+        """Raise what planning `running`'s store would raise, reserving nothing."""
+        asked = check_store_inputs(
             self._config,
             request.state,
             running.block_table(),
             num_computed_tokens=running.num_computed_tokens,
             num_scheduled_tokens=running.num_scheduled_tokens,
             num_tokens=running.num_tokens,
-            tier=_DryRunTier(running.request_id),
         )
+        _check_distinct(running.request_id, asked)
 
     def _known_running(self, running: RunningRequest) -> _Request:
         """Return the session's record of a running request, created or with its keys
