@@ -8,6 +8,7 @@ Without vLLM installed this module does not import; the rest of kvferry does not
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 from collections.abc import Iterable, Iterator, Sequence
@@ -839,7 +840,9 @@ def _load_tables(
         ids[start:] = np.fromiter(map(_BLOCK_ID, window), dtype=np.int64, count=count)
         null[start:] = np.fromiter(map(_IS_NULL, window), dtype=np.bool_, count=count)
         hashed = np.fromiter(
-            (h is not None for h in map(_BLOCK_HASH, window)), dtype=np.bool_, count=count
+            map(operator.is_not, map(_BLOCK_HASH, window), itertools.repeat(None)),
+            dtype=np.bool_,
+            count=count,
         )
         cached[start:] = hashed & ~null[start:]
         tables.append(GroupBlocks(ids=ids, is_null=null, is_cached=cached))

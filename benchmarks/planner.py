@@ -390,14 +390,16 @@ def engine_store_step(num_requests: int, steps: int) -> tuple[Sample, Sample]:
     base = 1
     new = []
     vllm, kvferry = side.connector(), side.kvferry()
+    for request in requests:  # vLLM's add_request, before its scheduling
+        vllm.on_new_request(request)
+        kvferry.on_new_request(request)
     for request, prompt in zip(requests, prompts, strict=True):
         count = -(-(prompt + steps + 2) // BLOCK)
         ids = tuple(list(range(base + g * count, base + (g + 1) * count)) for g in range(3))
         base += 3 * count
         tables[request.request_id] = tuple([side.KVCacheBlock(i) for i in g] for g in ids)
         blocks = side.KVCacheBlocks(blocks=tables[request.request_id])
-        for connector in (vllm, kvferry):  # vLLM's add_request, then its scheduling
-            connector.on_new_request(request)
+        for connector in (vllm, kvferry):
             connector.get_num_new_matched_tokens(request, 0)
             connector.update_state_after_alloc(request, blocks, 0)
         new.append(side.NewRequestData.from_request(request, ids))
