@@ -132,6 +132,13 @@ class KeyChain(Sequence[OffloadKey]):
         """Return the hashes of keys `start` to `stop` (clipped to the chain), no key made."""
         return self._column.hashes[start : min(stop, self._length)]
 
+    def made_keys(self, start: int, stop: int) -> list[OffloadKey] | None:
+        """Return keys `start` to `stop` (clipped to the chain) when a reader has made them
+        already (a lookup reads a request's keys), else None: nothing is made here."""
+        stop = min(stop, self._length)
+        keys = self._column.keys
+        return keys[start:stop] if len(keys) >= stop else None
+
     @property
     def hash_width(self) -> int:
         """Return the length every hash of the chain's column has (-1 when they differ, 0 for
@@ -262,13 +269,24 @@ class KeyColumn(Sequence[OffloadKey]):
 
     @classmethod
     def of_hashes(
-        cls, groups: npt.NDArray[np.int64], hashes: list[bytes], width: int = 0
+        cls,
+        groups: npt.NDArray[np.int64],
+        hashes: list[bytes],
+        width: int = 0,
+        *,
+        made: tuple[OffloadKey, ...] | None = None,
     ) -> KeyColumn:
         """Return the column of keys `(groups[i], hashes[i])`, no key made. `width` is the one
-        length of the hashes when the caller knows it (else 0, or -1 when they differ)."""
+        length of the hashes when the caller knows it (else 0, or -1 when they differ);
+        `made`, when given, is those very keys, made already (kept instead of made again).
+        Raise InvalidInputError when the lengths disagree."""
         _check_groups(groups, len(hashes))
+        if made is not None and len(made) != len(hashes):
+            raise InvalidInputError(
+                field="keys", expected=f"{len(hashes)} keys made", got=len(made)
+            )
         column = _new(KeyColumn)
-        _fill(column, groups, hashes=hashes, blob=None, width=width, keys=None)
+        _fill(column, groups, hashes=hashes, blob=None, width=width, keys=made)
         return column
 
     @classmethod

@@ -15,7 +15,7 @@ from kvferry.core.blocks import GroupBlocks
 from kvferry.core.checks import check_count, unchecked
 from kvferry.core.config import GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.keys import KeyColumn
+from kvferry.core.keys import KeyColumn, OffloadKey
 from kvferry.core.plan import Direction, TransferPlan, check_distinct_destinations
 from kvferry.core.state import RequestState
 
@@ -52,6 +52,8 @@ class _GroupLoad:
     end: int
     hashes: list[bytes]
     """The hashes of the keys loaded (no key object is made)."""
+    made: list[OffloadKey] | None
+    """The same keys when the request's chain has made them already (a lookup read them)."""
     next_cursor: int
 
 
@@ -91,7 +93,7 @@ def _plan_group(
     moved_to = 0 if state.store_loaded or cached_tokens == num_computed_tokens else end_chunk
     cursor = max(state.store_cursor[group], min(moved_to, len(state.keys[group])))
     if taken.all():  # nothing to fill (also when the range is empty)
-        return _GroupLoad(first=0, end=0, hashes=[], next_cursor=cursor)
+        return _GroupLoad(first=0, end=0, hashes=[], made=[], next_cursor=cursor)
     first = lo + int(np.argmin(taken))  # the first block not taken
     later_taken = taken[first - lo :]
     if later_taken.any():
@@ -109,8 +111,29 @@ def _plan_group(
             " tokens (the request's complete chunks)",
             cached_tokens - num_computed_tokens,
         )
-    hashes = state.keys[group].hash_slice(first // f, end_chunk)
-    return _GroupLoad(first=first, end=n_gpu, hashes=hashes, next_cursor=cursor)
+    chain = state.keys[group]
+    hashes = chain.hash_slice(first // f, end_chunk)
+    made = chain.made_keys(first // f, end_chunk)
+    return _GroupLoad(first=first, end=n_gpu, hashes=hashes, made=made, next_cursor=cursor)
+
+
+def _made_keys(loads: Sequence[_GroupLoad]) -> tuple[OffloadKey, ...] | None:
+    """Return the plan's keys when a lookup has made some group's already (kept, not made
+    again; a windowed group's few others are made here), else None: the plan makes none."""
+    if all(load.made is None for load in loads if load.hashes):
+        return None
+    keys: list[OffloadKey] = []
+    for group, load in enumerate(loads):
+        if load.made is not None:
+            keys += load.made
+        else:
+            keys += map(
+                _make_key, itertools.repeat(OffloadKey), zip(itertools.repeat(group), load.hashes)
+            )
+    return tuple(keys)
+
+
+_make_key = tuple.__new__  # what OffloadKey(group, h) does, without its Python-level __new__
 
 
 def _one_width(state: RequestState, groups: Sequence[int]) -> int:
@@ -171,6 +194,7 @@ def plan_load(
             np.repeat(np.arange(len(loads), dtype=np.int64), [len(x.hashes) for x in loads]),
             list(itertools.chain.from_iterable(load.hashes for load in loads)),
             _one_width(state, [g for g, load in enumerate(loads) if load.hashes]),
+            made=_made_keys(loads),
         ),
         gpu_block_ids=gpu_block_ids,
         group_sizes=tuple(load.end - load.first for load in loads),
