@@ -65,3 +65,17 @@ def test_a_load_plan_carries_its_keys_as_a_column_without_making_key_objects() -
     assert plan.keys._tuple is None  # nothing has read a key yet
     assert plan.keys.hash_blob() == (b"".join(hashes[:4]), 8)
     assert plan.keys == tuple(OffloadKey(0, h) for h in hashes[:4])
+
+
+def test_a_load_plan_after_a_lookup_keeps_the_keys_the_lookup_made() -> None:
+    config = OffloadConfig(
+        hash_block_size=16,
+        blocks_per_chunk=1,
+        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
+    )
+    hashes = [bytes([i]) * 8 for i in range(5)]
+    state = new_request_state(config, "r1", num_prompt_tokens=80, block_hashes=hashes)
+    read = state.keys[0][0:4]  # what a lookup's status read makes and keeps
+    blocks = [GroupBlocks.of(np.arange(1, 6))]
+    plan, _ = plan_load(config, state, blocks, num_computed_tokens=0, hit_tokens=64)
+    assert all(made is kept for made, kept in zip(plan.keys, read, strict=True))
