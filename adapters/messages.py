@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from kvferry.adapters.wire import decode_jobs_binary, is_binary
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.canonical_json import dumps_canonical
 from kvferry.core.checks import at_least
@@ -114,8 +115,11 @@ def encode_jobs(jobs: Sequence[BoundPlan]) -> bytes:
 
 
 def decode_jobs(data: bytes) -> tuple[BoundPlan, ...]:
-    """Return the bound plans of an `encode_jobs` message (validated like any plan); raise
+    """Return the bound plans of an `encode_jobs` message, or of the binary form
+    `kvferry.adapters.wire.encode_jobs_binary` writes (validated like any plan); raise
     InvalidInputError naming where for anything else, an unknown or missing field included."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and is_binary(data):
+        return decode_jobs_binary(data)
     jobs = []
     for unnamed in _decode(data, MessageKind.JOBS, ("jobs",)).children("jobs"):
         unnamed.only(_JOB_FIELDS)

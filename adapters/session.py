@@ -7,7 +7,7 @@ to rows and job ids, and holds no planning rule of its own; it never copies a by
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
 import attrs
@@ -19,15 +19,30 @@ from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent, Lock, l
 from kvferry.core.checks import at_least
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
-from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.keys import KeyStatusView, OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
 from kvferry.core.state import RequestState, check_hash_count, extend_keys, new_request_state
-from kvferry.core.store import StoreDecision, StoreOutcome, due_for_store, plan_store
+from kvferry.core.store import (
+    StoreDecision,
+    StoreOutcome,
+    check_store_inputs,
+    due_for_store,
+    plan_store,
+)
+
+BlockTable = Callable[[], Iterable[GroupBlocks]]
+"""A request's block table read on demand: the session calls it only for a request whose store
+is due this step (most decode steps, few are), so an engine that resolves tables lazily pays
+for the few it needs."""
 
 
-def _blocks_tuple(value: Iterable[GroupBlocks]) -> tuple[GroupBlocks, ...]:
+def _blocks_tuple(
+    value: Iterable[GroupBlocks] | BlockTable,
+) -> tuple[GroupBlocks, ...] | BlockTable:
+    if callable(value):
+        return value
     return tuple(value)
 
 
@@ -37,8 +52,9 @@ class RunningRequest:
 
     request_id: str = attrs.field(validator=attrs.validators.instance_of(str))
     """The engine's request id."""
-    blocks: tuple[GroupBlocks, ...] = attrs.field(converter=_blocks_tuple)
-    """The request's whole block table, one GroupBlocks per group (resent after preemption)."""
+    blocks: tuple[GroupBlocks, ...] | BlockTable = attrs.field(converter=_blocks_tuple)
+    """The request's whole block table, one GroupBlocks per group (resent after preemption),
+    or a `BlockTable` returning it, called at most once and only when a store is due."""
     num_computed_tokens: int = attrs.field(validator=at_least(0))
     """Tokens whose KV existed before this step."""
     num_scheduled_tokens: int = attrs.field(validator=at_least(0))
@@ -50,6 +66,18 @@ class RunningRequest:
     and only when its length changed since the session last saw it."""
     num_prompt_tokens: int | None = None
     """Prompt length; needed only when the session has not seen the request (else ignored)."""
+    _table: list[tuple[GroupBlocks, ...]] = attrs.field(
+        factory=list, init=False, eq=False, repr=False
+    )
+
+    def block_table(self) -> tuple[GroupBlocks, ...]:
+        """Return the block table, one GroupBlocks per group (a `BlockTable` called once)."""
+        blocks = self.blocks
+        if not callable(blocks):
+            return blocks
+        if not self._table:
+            self._table.append(tuple(blocks()))
+        return self._table[0]
 
 
 @attrs.frozen(kw_only=True)
@@ -129,9 +157,18 @@ class _Request:
     jobs: set[int] = attrs.field(factory=set)
     fence: set[int] | None = None
     finished: bool = False
+    due_at: tuple[RequestState, int] | None = None
+    """For the state it was read from: the fewest stored tokens at which a store is due (some
+    group completes a chunk past its store cursor)."""
 
 
 _T = TypeVar("_T")
+
+
+def _next_chunk_end(cursor: int, chunk_tokens: int) -> int:
+    """Return the tokens at which a group whose store cursor is `cursor` completes its next
+    chunk: `done // chunk_tokens > cursor` exactly when `done` reaches it."""
+    return (cursor + 1) * chunk_tokens
 
 
 def _listed(values: Iterable[_T], kind: type[_T], field: str) -> list[_T]:
@@ -183,24 +220,6 @@ class LowerTier(Protocol):
         """Hear that `keys` were evicted from `rows`, whose bytes a store will overwrite once
         the call returns (copy them now or never)."""
         ...
-
-
-class _DryRunTier:
-    """A tier that has every key, and checks the keys a store asks about: planning a store
-    against it raises what planning it for real would raise (the inputs are checked before
-    the tier is asked), then stops at once (nothing to store), reserving nothing."""
-
-    def __init__(self, request_id: str) -> None:
-        self._request_id = request_id
-
-    def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
-        """Check that the keys do not repeat; return HIT for every key."""
-        _check_distinct(self._request_id, keys)
-        return [KeyStatus.HIT] * len(keys)
-
-    def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
-        """Return True (never asked: every key is present)."""
-        return True
 
 
 class OffloadSession:
@@ -380,10 +399,11 @@ class OffloadSession:
         if plan.is_empty:
             request.state = state
             return None
-        rows = self._catalog.pin(plan.keys, request=request_id)
+        keys = plan.keys.as_tuple()
+        rows = self._catalog.pin(keys, request=request_id)
         cursor_before = request.state.store_cursor
         request.state = state
-        job = self._new_job(request_id, request, Direction.LOAD, plan.keys)
+        job = self._new_job(request_id, request, Direction.LOAD, keys)
         job.cursor_before = cursor_before
         job.recompute = RecomputeRange(
             request_id=request_id,
@@ -393,6 +413,47 @@ class OffloadSession:
         return BoundPlan(
             job_id=job.job_id, plan=plan, cpu_rows=rows, layout_fingerprint=self._fingerprint
         )
+
+    @locked_method
+    def store_candidates(
+        self,
+        request_ids: Sequence[str],
+        *,
+        num_computed_tokens: Sequence[int],
+        num_scheduled_tokens: Sequence[int],
+        num_tokens: Sequence[int],
+    ) -> list[int]:
+        """Return the positions, in `request_ids` (this step's running requests, with their
+        token counts at the same positions), of those `start_stores` must be given: every
+        request whose store is due (some group completes a chunk past its store cursor, the
+        rule of `due_for_store`), and every request the session has not seen or has finished
+        (`start_stores` creates or refuses it).
+
+        For any other request `start_stores` plans nothing and changes nothing that a later
+        step does not redo, so an engine may leave it out, and build only the inputs of the
+        few requests due at a decode step. Each known request's threshold is kept with the
+        state it was read from; the call is one comparison per request.
+        """
+        chunks = self._config.all_chunk_tokens
+        prompt_only = not self._config.store_decoded_tokens
+        get = self._requests.get
+        picked = []
+        for index, rid in enumerate(request_ids):
+            request = get(rid)
+            if request is None or request.finished:
+                picked.append(index)
+                continue
+            state = request.state
+            due_at = request.due_at
+            if due_at is None or due_at[0] is not state:
+                at = min(map(_next_chunk_end, state.store_cursor, chunks))
+                due_at = request.due_at = (state, at)
+            done = min(num_computed_tokens[index] + num_scheduled_tokens[index], num_tokens[index])
+            if prompt_only:
+                done = min(done, state.num_prompt_tokens)
+            if done >= due_at[1]:
+                picked.append(index)
+        return picked
 
     @locked_method
     def start_stores(self, requests: Iterable[RunningRequest]) -> StoreStep:
@@ -467,17 +528,16 @@ class OffloadSession:
         return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room), released=tuple(released))
 
     def _check_store(self, running: RunningRequest, request: _Request) -> None:
-        """Raise what planning `running`'s store would raise, reserving nothing (a dry run of
-        `plan_store` against a tier that has every key: its inputs are checked, then it stops)."""
-        plan_store(
+        """Raise what planning `running`'s store would raise, reserving nothing."""
+        asked = check_store_inputs(
             self._config,
             request.state,
-            running.blocks,
+            running.block_table(),
             num_computed_tokens=running.num_computed_tokens,
             num_scheduled_tokens=running.num_scheduled_tokens,
             num_tokens=running.num_tokens,
-            tier=_DryRunTier(running.request_id),
         )
+        _check_distinct(running.request_id, asked)
 
     def _known_running(self, running: RunningRequest) -> _Request:
         """Return the session's record of a running request, created or with its keys
@@ -518,7 +578,7 @@ class OffloadSession:
         return plan_store(
             self._config,
             request.state,
-            running.blocks,
+            running.block_table(),
             num_computed_tokens=running.num_computed_tokens,
             num_scheduled_tokens=running.num_scheduled_tokens,
             num_tokens=running.num_tokens,

@@ -8,11 +8,14 @@ Without vLLM installed this module does not import; the rest of kvferry does not
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -33,15 +36,11 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvferry.adapters.layer_pages import REQUIRED_KV_CACHE_LAYOUT, LayerGroup, group_kv_tensors
-from kvferry.adapters.messages import (
-    decode_completions,
-    decode_jobs,
-    encode_completions,
-    encode_jobs,
-)
+from kvferry.adapters.messages import decode_completions, encode_completions
 from kvferry.adapters.session import OffloadSession, RunningRequest
-from kvferry.adapters.vllm import blocks_from_vllm, group_spec_from_vllm
+from kvferry.adapters.vllm import group_spec_from_vllm
 from kvferry.adapters.vllm_settings import ConnectorSettings
+from kvferry.adapters.wire import decode_jobs_binary, encode_jobs_binary
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import Catalog, CatalogConfig, EventKind, rows_for_budget
@@ -63,7 +62,8 @@ class KvferryConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """What the scheduler side ships to every worker for one step."""
 
     jobs: bytes
-    """The step's bound plans (loads first, then stores) as an `encode_jobs` message."""
+    """The step's bound plans (loads first, then stores) as a binary `encode_jobs_binary`
+    message (`kvferry.adapters.messages.decode_jobs` reads it too)."""
     flush: tuple[int, ...] = ()
     """Jobs to finish before this step's forward pass may overwrite their GPU blocks."""
     ready: tuple[tuple[str, bool], ...] = ()
@@ -536,8 +536,9 @@ class _SchedulerSide:
         if num_external_tokens == 0:
             return
         computed = self._computed[rid]
-        tables = blocks_from_vllm(blocks)
-        chosen = tuple(tables[gid] for gid in self._shape.groups.offloaded)
+        chosen = _load_tables(
+            self._shape, blocks, num_computed_tokens=computed, hit_tokens=num_external_tokens
+        )
         self._loading.add(rid)
         try:
             job = self._session.start_load(
@@ -559,35 +560,36 @@ class _SchedulerSide:
                 self._flush |= self._session.preempt(rid)
         self._fence_reallocated(scheduler_output)
         block_state = scheduler_output.kv_connector_block_state
-        running = []
-        for rid, computed in _scheduled(scheduler_output):
-            request = self._requests[rid]
-            table = None if block_state is None else block_state.get_block_ids(rid)
-            if table is None:
-                raise InvalidInputError(
-                    request=rid,
-                    field="scheduler_output.kv_connector_block_state",
-                    expected="the block table of every scheduled request",
-                    got=None,
-                )
-            running.append(
-                RunningRequest(
-                    request_id=rid,
-                    blocks=tuple(_group_blocks(table[gid]) for gid in self._shape.groups.offloaded),
-                    num_computed_tokens=computed,
-                    num_scheduled_tokens=int(scheduler_output.num_scheduled_tokens[rid]),
-                    num_tokens=request.num_tokens,
-                    block_hashes=request.block_hashes,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                )
+        ids, computed = _scheduled_columns(scheduler_output)
+        scheduled = list(map(scheduler_output.num_scheduled_tokens.__getitem__, ids))
+        requests = list(map(self._requests.__getitem__, ids))
+        num_tokens = [request.num_tokens for request in requests]
+        due = self._session.store_candidates(
+            ids,
+            num_computed_tokens=computed,
+            num_scheduled_tokens=scheduled,
+            num_tokens=num_tokens,
+        )
+        offloaded = self._shape.groups.offloaded
+        running = [  # only the requests a store may be due for: their tables are read
+            RunningRequest(
+                request_id=ids[index],
+                blocks=_BlockTable(block_state, ids[index], offloaded),
+                num_computed_tokens=computed[index],
+                num_scheduled_tokens=int(scheduled[index]),
+                num_tokens=num_tokens[index],
+                block_hashes=requests[index].block_hashes,
+                num_prompt_tokens=requests[index].num_prompt_tokens,
             )
+            for index in due
+        ]
         step = self._session.start_stores(running)
         for job in step.jobs:
             self._remember_chunks(job)
             self._fence(job)
         jobs, self._loads = [*self._loads, *step.jobs], []
         meta = KvferryConnectorMetadata(
-            jobs=encode_jobs(jobs),
+            jobs=encode_jobs_binary(jobs),
             flush=tuple(sorted(self._flush)),
             ready=tuple(self._ready),
             held=tuple((rid, tuple(sorted(ids))) for rid, ids in sorted(self._held.items())),
@@ -762,7 +764,88 @@ def _index_of(hashes: Sequence[bytes], block_hash: bytes) -> int:
 
 def _group_blocks(ids: Sequence[int]) -> GroupBlocks:
     """Return one group's GroupBlocks of vLLM's current table: id 0 is vLLM's null block."""
-    return GroupBlocks.of(list(ids), null=[i for i, block in enumerate(ids) if block == 0])
+    column = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    return GroupBlocks(
+        ids=column, is_null=column == 0, is_cached=np.zeros(len(column), dtype=np.bool_)
+    )
+
+
+class _BlockTable:
+    """A scheduled request's block table, read from vLLM's `KVConnectorBlockState` only when
+    called: the session calls it for the requests whose store is due this step, so the tables
+    of the others are never resolved (vLLM builds a table on access)."""
+
+    __slots__ = ("_offloaded", "_rid", "_state")
+
+    def __init__(self, state: Any, rid: str, offloaded: tuple[int, ...]) -> None:
+        self._state = state
+        self._rid = rid
+        self._offloaded = offloaded
+
+    def __call__(self) -> tuple[GroupBlocks, ...]:
+        table = None if self._state is None else self._state.get_block_ids(self._rid)
+        if table is None:
+            raise InvalidInputError(
+                request=self._rid,
+                field="scheduler_output.kv_connector_block_state",
+                expected="the block table of every scheduled request",
+                got=None,
+            )
+        return tuple(_group_blocks(table[gid]) for gid in self._offloaded)
+
+
+def load_block_ranges(
+    config: OffloadConfig, *, num_computed_tokens: int, hit_tokens: int
+) -> tuple[tuple[int, int], ...]:
+    """Return, per kvferry group, the block range `[start, stop)` a load of `hit_tokens` after
+    `num_computed_tokens` can write into: from the block the GPU prefix ends inside, or the
+    group's first needed block if later, to the block holding the last loaded token. A load
+    plan reads nothing outside it, so its translation reads nothing outside it either."""
+    cached = num_computed_tokens + hit_tokens
+    ranges = []
+    for spec in config.groups:
+        stop = -(-cached // spec.block_size)
+        first = spec.first_needed_token(cached) // spec.block_size
+        ranges.append((min(max(num_computed_tokens // spec.block_size, first), stop), stop))
+    return tuple(ranges)
+
+
+_BLOCK_ID = operator.attrgetter("block_id")
+_IS_NULL = operator.attrgetter("is_null")
+_BLOCK_HASH = operator.attrgetter("block_hash")
+
+
+def _load_tables(
+    shape: _Shape, kv_cache_blocks: Any, *, num_computed_tokens: int, hit_tokens: int
+) -> tuple[GroupBlocks, ...]:
+    """Return the offloaded groups' GroupBlocks a load reads from vLLM's `KVCacheBlocks`: only
+    the block objects of `load_block_ranges` are read (a long request's others never are); the
+    tables end there, null below. A real block with a `block_hash` is a GPU prefix-cache hit."""
+    groups = getattr(kv_cache_blocks, "blocks", kv_cache_blocks)
+    if not isinstance(groups, Sequence):
+        raise InvalidInputError(
+            field="blocks", expected="KVCacheBlocks or a sequence per group", got=groups
+        )
+    ranges = load_block_ranges(
+        shape.config, num_computed_tokens=num_computed_tokens, hit_tokens=hit_tokens
+    )
+    tables = []
+    for gid, (start, stop) in zip(shape.groups.offloaded, ranges, strict=True):
+        window = groups[gid][start:stop]
+        count = len(window)
+        ids = np.zeros(start + count, dtype=np.int64)
+        null = np.ones(start + count, dtype=np.bool_)
+        cached = np.zeros(start + count, dtype=np.bool_)
+        ids[start:] = np.fromiter(map(_BLOCK_ID, window), dtype=np.int64, count=count)
+        null[start:] = np.fromiter(map(_IS_NULL, window), dtype=np.bool_, count=count)
+        hashed = np.fromiter(
+            map(operator.is_not, map(_BLOCK_HASH, window), itertools.repeat(None)),
+            dtype=np.bool_,
+            count=count,
+        )
+        cached[start:] = hashed & ~null[start:]
+        tables.append(GroupBlocks(ids=ids, is_null=null, is_cached=cached))
+    return tuple(tables)
 
 
 def _allocated_blocks(scheduler_output: Any) -> Iterator[int]:
@@ -777,12 +860,20 @@ def _allocated_blocks(scheduler_output: Any) -> Iterator[int]:
         yield copy.dst_block_id
 
 
-def _scheduled(scheduler_output: Any) -> Iterator[tuple[str, int]]:
-    """Yield (request id, num_computed_tokens) of every scheduled request, new ones first."""
-    for data in scheduler_output.scheduled_new_reqs:
-        yield data.req_id, int(data.num_computed_tokens)
+def _scheduled_columns(scheduler_output: Any) -> tuple[list[str], list[int]]:
+    """Return the ids and num_computed_tokens of every scheduled request, new ones first."""
+    ids = [data.req_id for data in scheduler_output.scheduled_new_reqs]
+    computed = [int(data.num_computed_tokens) for data in scheduler_output.scheduled_new_reqs]
     cached = scheduler_output.scheduled_cached_reqs
-    yield from zip(cached.req_ids, (int(n) for n in cached.num_computed_tokens), strict=True)
+    if len(cached.req_ids) != len(cached.num_computed_tokens):
+        raise InvalidInputError(
+            field="scheduler_output.scheduled_cached_reqs.num_computed_tokens",
+            expected=f"one count per request ({len(cached.req_ids)})",
+            got=len(cached.num_computed_tokens),
+        )
+    ids += cached.req_ids
+    computed += map(int, cached.num_computed_tokens)
+    return ids, computed
 
 
 # -- worker side -----------------------------------------------------------------------------------
@@ -852,7 +943,7 @@ class _WorkerSide:
 
     def bind(self, meta: KvferryConnectorMetadata) -> None:
         self.flush(meta)
-        jobs = decode_jobs(meta.jobs)
+        jobs = decode_jobs_binary(meta.jobs)
         self._loads = [job for job in jobs if job.plan.direction is Direction.LOAD]
         self._stores = [job for job in jobs if job.plan.direction is Direction.STORE]
         for rid, loaded in meta.ready:

@@ -5,6 +5,7 @@ Pure: returns the plan and the next request state; the caller pins keys and runs
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -14,7 +15,7 @@ from kvferry.core.blocks import GroupBlocks
 from kvferry.core.checks import check_count, unchecked
 from kvferry.core.config import GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.keys import OffloadKey
+from kvferry.core.keys import KeyColumn, OffloadKey
 from kvferry.core.plan import Direction, TransferPlan, check_distinct_destinations
 from kvferry.core.state import RequestState
 
@@ -49,7 +50,10 @@ def check_block_lists(
 class _GroupLoad:
     first: int
     end: int
-    keys: tuple[OffloadKey, ...]
+    hashes: list[bytes]
+    """The hashes of the keys loaded (no key object is made)."""
+    made: list[OffloadKey] | None
+    """The same keys when the request's chain has made them already (a lookup read them)."""
     next_cursor: int
 
 
@@ -89,7 +93,7 @@ def _plan_group(
     moved_to = 0 if state.store_loaded or cached_tokens == num_computed_tokens else end_chunk
     cursor = max(state.store_cursor[group], min(moved_to, len(state.keys[group])))
     if taken.all():  # nothing to fill (also when the range is empty)
-        return _GroupLoad(first=0, end=0, keys=(), next_cursor=cursor)
+        return _GroupLoad(first=0, end=0, hashes=[], made=[], next_cursor=cursor)
     first = lo + int(np.argmin(taken))  # the first block not taken
     later_taken = taken[first - lo :]
     if later_taken.any():
@@ -107,8 +111,36 @@ def _plan_group(
             " tokens (the request's complete chunks)",
             cached_tokens - num_computed_tokens,
         )
-    keys = state.keys[group][first // f : end_chunk]
-    return _GroupLoad(first=first, end=n_gpu, keys=keys, next_cursor=cursor)
+    chain = state.keys[group]
+    hashes = chain.hash_slice(first // f, end_chunk)
+    made = chain.made_keys(first // f, end_chunk)
+    return _GroupLoad(first=first, end=n_gpu, hashes=hashes, made=made, next_cursor=cursor)
+
+
+def _made_keys(loads: Sequence[_GroupLoad]) -> tuple[OffloadKey, ...] | None:
+    """Return the plan's keys when a lookup has made some group's already (kept, not made
+    again; a windowed group's few others are made here), else None: the plan makes none."""
+    if all(load.made is None for load in loads if load.hashes):
+        return None
+    keys: list[OffloadKey] = []
+    for group, load in enumerate(loads):
+        if load.made is not None:
+            keys += load.made
+        else:
+            keys += map(
+                _make_key, itertools.repeat(OffloadKey), zip(itertools.repeat(group), load.hashes)
+            )
+    return tuple(keys)
+
+
+_make_key = tuple.__new__  # what OffloadKey(group, h) does, without its Python-level __new__
+
+
+def _one_width(state: RequestState, groups: Sequence[int]) -> int:
+    """Return the one length of the hashes of `groups`' key chains (0 when unknown)."""
+    widths = {state.keys[g].hash_width for g in groups}
+    width = widths.pop() if len(widths) == 1 else 0
+    return max(width, 0)
 
 
 def plan_load(
@@ -158,7 +190,12 @@ def plan_load(
         request_id=state.request_id,
         direction=Direction.LOAD,
         blocks_per_chunk=config.blocks_per_chunk,
-        keys=sum((load.keys for load in loads), ()),  # few groups: faster than a chain
+        keys=KeyColumn.of_hashes(
+            np.repeat(np.arange(len(loads), dtype=np.int64), [len(x.hashes) for x in loads]),
+            list(itertools.chain.from_iterable(load.hashes for load in loads)),
+            _one_width(state, [g for g, load in enumerate(loads) if load.hashes]),
+            made=_made_keys(loads),
+        ),
         gpu_block_ids=gpu_block_ids,
         group_sizes=tuple(load.end - load.first for load in loads),
         block_indices=tuple(load.first for load in loads),

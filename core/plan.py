@@ -5,9 +5,7 @@ A value: validated at construction, so an executor can trust every plan it is gi
 
 from __future__ import annotations
 
-import bisect
 import enum
-import operator
 from collections.abc import Iterable
 
 import attrs
@@ -15,7 +13,7 @@ import numpy as np
 
 from kvferry.core.arrays import IdArray, arrays_equal, integral_ids, is_integral
 from kvferry.core.errors import PlanInvariantError
-from kvferry.core.keys import OffloadKey
+from kvferry.core.keys import KeyColumn, OffloadKey, key_column
 
 
 class Direction(enum.Enum):
@@ -29,10 +27,6 @@ class Direction(enum.Enum):
 
 def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
-
-
-def _key_tuple(value: Iterable[OffloadKey]) -> tuple[OffloadKey, ...]:
-    return tuple(value)
 
 
 def chunks_spanned(size: int, skip: int, blocks_per_chunk: int) -> int:
@@ -56,6 +50,20 @@ def check_distinct_destinations(request_id: str, group: int, ids: IdArray) -> No
         )
 
 
+def _increasing_per_group(ids: IdArray, sizes: tuple[int, ...]) -> bool:
+    """Return True when `ids` increase within each group's run (`sizes` long, in order)."""
+    if len(ids) < 2:
+        return True
+    increasing = ids[1:] > ids[:-1]
+    if bool(increasing.all()):
+        return True
+    ends = np.cumsum(sizes)[:-1] - 1  # a pair across two groups' runs is not compared
+    ends = ends[(ends >= 0) & (ends < len(increasing))]
+    increasing = increasing.copy()
+    increasing[ends] = True
+    return bool(increasing.all())
+
+
 @attrs.frozen(kw_only=True)
 class TransferPlan:
     """One transfer between the GPU blocks of one request and the CPU tier.
@@ -76,8 +84,9 @@ class TransferPlan:
     """LOAD (CPU -> GPU) or STORE (GPU -> CPU)."""
     blocks_per_chunk: int
     """`F` of the configuration the plan was made for."""
-    keys: tuple[OffloadKey, ...] = attrs.field(converter=_key_tuple)
-    """The chunks moved, group by group, in token order within a group."""
+    keys: KeyColumn = attrs.field(converter=key_column)
+    """The chunks moved, group by group, in token order within a group (any iterable of
+    OffloadKeys is taken; held as a column)."""
     gpu_block_ids: IdArray = attrs.field(
         converter=integral_ids, eq=attrs.cmp_using(eq=arrays_equal)
     )
@@ -111,15 +120,21 @@ class TransferPlan:
             fail(
                 "group_sizes", f"a sum of {len(self.gpu_block_ids)} (the GPU ids)", self.group_sizes
             )
-        groups_of_keys = list(map(operator.itemgetter(0), self.keys))
-        if groups_of_keys != sorted(groups_of_keys):
-            fail("keys", "keys listed group by group, in group order", groups_of_keys)
-        if groups_of_keys and not 0 <= groups_of_keys[0] <= groups_of_keys[-1] < n_groups:
-            fail("keys", f"group indices in [0, {n_groups})", groups_of_keys[-1])
-        key_counts = {
-            g: bisect.bisect_right(groups_of_keys, g) - bisect.bisect_left(groups_of_keys, g)
-            for g in range(n_groups)
-        }
+        groups_of_keys = self.keys.groups
+        if len(groups_of_keys) and bool((groups_of_keys[1:] < groups_of_keys[:-1]).any()):
+            fail("keys", "keys listed group by group, in group order", groups_of_keys.tolist())
+        if len(groups_of_keys) and not (
+            0 <= int(groups_of_keys[0]) <= int(groups_of_keys[-1]) < n_groups
+        ):
+            fail("keys", f"group indices in [0, {n_groups})", int(groups_of_keys[-1]))
+        bounds = np.searchsorted(groups_of_keys, np.arange(n_groups + 1)).tolist()
+        key_counts = {g: bounds[g + 1] - bounds[g] for g in range(n_groups)}
+        ids_all = self.gpu_block_ids
+        lowest = int(ids_all.min()) if len(ids_all) else 0
+        # Destinations increasing within every group are distinct: one pass for all groups.
+        check_each = self.direction is Direction.LOAD and not _increasing_per_group(
+            ids_all, self.group_sizes
+        )
         offset = 0
         for g, (size, first) in enumerate(zip(self.group_sizes, self.block_indices, strict=True)):
             if size < 0 or first < 0:
@@ -138,9 +153,9 @@ class TransferPlan:
                 )
             ids = self.gpu_block_ids[offset : offset + size]
             offset += size
-            if size and int(ids.min()) < 0:
+            if lowest < 0 and size and int(ids.min()) < 0:
                 fail("gpu_block_ids", "block ids >= 0", int(ids.min()), g)
-            if self.direction is Direction.LOAD:
+            if check_each:
                 check_distinct_destinations(self.request_id, g, ids)
 
     @property
@@ -155,9 +170,9 @@ class TransferPlan:
 
     def keys_of(self, group: int) -> tuple[OffloadKey, ...]:
         """Return the keys of `group`, in order."""
-        return tuple(key for key in self.keys if key.group == group)
+        return self.keys.of_group(group)
 
     @property
     def is_empty(self) -> bool:
         """Return True when the plan moves nothing."""
-        return not self.keys
+        return not len(self.keys)

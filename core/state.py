@@ -12,7 +12,7 @@ import attrs
 from kvferry.core.checks import check_count, unchecked_evolver
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
-from kvferry.core.keys import KeyChain, OffloadKey, chunk_keys
+from kvferry.core.keys import KeyChain, OffloadKey
 
 
 def _key_chains(value: Iterable[Iterable[OffloadKey]]) -> tuple[KeyChain, ...]:
@@ -151,19 +151,20 @@ def extend_keys(
                 )
         if (count + 1) * step > num_hashes:
             continue  # the next chunk is not complete yet (most decode steps)
-        added = chunk_keys(config, group, block_hashes, count)
-        for key in added:
-            if type(key.block_hash) is not bytes and not isinstance(key.block_hash, bytes):
-                raise InvalidInputError(
-                    request=state.request_id,
-                    group=group,
-                    field="block_hashes",
-                    expected="bytes for every hash",
-                    got=key.block_hash,
-                )
+        added = list(block_hashes[(count + 1) * step - 1 :: step])  # each new chunk's last hash
+        if set(map(type, added)) - {bytes}:  # one pass in C; the loop only finds the culprit
+            for block_hash in added:
+                if not isinstance(block_hash, bytes):
+                    raise InvalidInputError(
+                        request=state.request_id,
+                        group=group,
+                        field="block_hashes",
+                        expected="bytes for every hash",
+                        got=block_hash,
+                    )
         if new_keys is None:
             new_keys = list(chains)
-        new_keys[group] = known.extended(added)
+        new_keys[group] = known.extended_hashes(group, added)
     if new_keys is None:
         return state
     # Key lists only grew, so every store cursor still lies within its list.

@@ -21,7 +21,7 @@ from kvferry.core.blocks import GroupBlocks
 from kvferry.core.checks import check_count, unchecked_evolver, unchecked_maker
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.keys import KeyColumn, KeyStatus, KeyStatusView, OffloadKey
 from kvferry.core.load import check_block_lists
 from kvferry.core.plan import Direction, TransferPlan
 from kvferry.core.state import RequestState
@@ -204,11 +204,8 @@ def due_for_store(
     return due
 
 
-def _candidate_chunks(
-    request: str, group: int, blocks: GroupBlocks, cursor: int, end: int, *, f: int
-) -> Sequence[int]:
-    """Return the complete chunks from `cursor` up to `end` (past it) whose blocks are all
-    real; raise InvalidInputError when the blocks do not reach `end`."""
+def _check_reach(request: str, group: int, blocks: GroupBlocks, end: int, f: int) -> None:
+    """Raise InvalidInputError when a group's blocks do not reach chunk `end`."""
     if len(blocks.ids) < end * f:
         raise InvalidInputError(
             request=request,
@@ -217,6 +214,14 @@ def _candidate_chunks(
             expected=f"at least {end * f} blocks for {end} complete chunks",
             got=len(blocks.ids),
         )
+
+
+def _candidate_chunks(
+    request: str, group: int, blocks: GroupBlocks, cursor: int, end: int, *, f: int
+) -> Sequence[int]:
+    """Return the complete chunks from `cursor` up to `end` (past it) whose blocks are all
+    real; raise InvalidInputError when the blocks do not reach `end`."""
+    _check_reach(request, group, blocks, end, f)
     nulls = blocks.is_null[cursor * f : end * f]
     if 1 not in nulls.tobytes():  # no null block (a C scan; cheaper than numpy's any())
         return range(cursor, end)
@@ -266,7 +271,7 @@ _new_plan = unchecked_maker(TransferPlan)
 _with_changes = unchecked_evolver(RequestState)
 
 
-def plan_store(
+def _checked_done(
     config: OffloadConfig,
     state: RequestState,
     blocks: Sequence[GroupBlocks],
@@ -274,31 +279,31 @@ def plan_store(
     num_computed_tokens: int,
     num_scheduled_tokens: int,
     num_tokens: int,
-    tier: StoreTierView,
-) -> StoreDecision:
-    """Return what to store this step for one running request.
-
-    Tokens whose KV exists once this step's forward pass ends are
-    `done = min(num_computed + num_scheduled, num_tokens)` (capped at the prompt when decoded
-    tokens are not stored). Per group, the complete chunks from the store cursor to `done // C_g`
-    whose GPU blocks are all real and that are worth storing (`OffloadConfig.keeps_chunk`: of a
-    windowed group, only chunks in the window of a boundary a lookup can answer) are
-    candidates; keys the tier has are skipped. If the rest do not fit, the outcome is NO_ROOM
-    and the cursors stay; otherwise they move to `done // C_g`.
-    """
+) -> int:
+    """Check a store's inputs as `plan_store` does before it asks the tier anything; return
+    `done` (`stored_tokens_after_step`)."""
     state.check_matches(config)
     check_block_lists(config, state, blocks)
     request = state.request_id
     check_count(num_computed_tokens, request=request, field="num_computed_tokens")
     check_count(num_scheduled_tokens, request=request, field="num_scheduled_tokens")
     check_count(num_tokens, request=request, field="num_tokens")
-    done = stored_tokens_after_step(
+    return stored_tokens_after_step(
         config,
         state,
         num_computed_tokens=num_computed_tokens,
         num_scheduled_tokens=num_scheduled_tokens,
         num_tokens=num_tokens,
     )
+
+
+def _candidates(
+    config: OffloadConfig, state: RequestState, blocks: Sequence[GroupBlocks], done: int
+) -> tuple[list[tuple[int, Sequence[int]]], list[OffloadKey], list[int]]:
+    """Return a store's candidates once `done` tokens exist: per group with any, its candidate
+    chunks; their keys, group by group; and every group's next store cursor. Raise
+    InvalidInputError when a group's blocks do not reach its last complete chunk."""
+    request = state.request_id
     f = config.blocks_per_chunk
     cursors = state.store_cursor
     chains = state.keys
@@ -320,6 +325,65 @@ def plan_store(
             candidates += (
                 chain[cursor:end] if isinstance(chunks, range) else [chain[j] for j in chunks]
             )
+    return per_group, candidates, ends
+
+
+def check_store_inputs(
+    config: OffloadConfig,
+    state: RequestState,
+    blocks: Sequence[GroupBlocks],
+    *,
+    num_computed_tokens: int,
+    num_scheduled_tokens: int,
+    num_tokens: int,
+) -> list[OffloadKey]:
+    """Raise what `plan_store` raises for these inputs, whatever the tier would answer (a
+    caller planning many requests checks them all before it reserves a row); otherwise return
+    the keys it would ask the tier about (the caller checks they do not repeat)."""
+    done = _checked_done(
+        config,
+        state,
+        blocks,
+        num_computed_tokens=num_computed_tokens,
+        num_scheduled_tokens=num_scheduled_tokens,
+        num_tokens=num_tokens,
+    )
+    return _candidates(config, state, blocks, done)[1]
+
+
+def plan_store(
+    config: OffloadConfig,
+    state: RequestState,
+    blocks: Sequence[GroupBlocks],
+    *,
+    num_computed_tokens: int,
+    num_scheduled_tokens: int,
+    num_tokens: int,
+    tier: StoreTierView,
+) -> StoreDecision:
+    """Return what to store this step for one running request.
+
+    Tokens whose KV exists once this step's forward pass ends are
+    `done = min(num_computed + num_scheduled, num_tokens)` (capped at the prompt when decoded
+    tokens are not stored). Per group, the complete chunks from the store cursor to `done // C_g`
+    whose GPU blocks are all real and that are worth storing (`OffloadConfig.keeps_chunk`: of a
+    windowed group, only chunks in the window of a boundary a lookup can answer) are
+    candidates; keys the tier has are skipped. If the rest do not fit, the outcome is NO_ROOM
+    and the cursors stay; otherwise they move to `done // C_g`.
+    """
+    done = _checked_done(
+        config,
+        state,
+        blocks,
+        num_computed_tokens=num_computed_tokens,
+        num_scheduled_tokens=num_scheduled_tokens,
+        num_tokens=num_tokens,
+    )
+    request = state.request_id
+    cursors = state.store_cursor
+    chains = state.keys
+    f = config.blocks_per_chunk
+    per_group, candidates, ends = _candidates(config, state, blocks, done)
     next_cursor = tuple(ends)
     if next_cursor == cursors:  # not due (`store_due` is False)
         return _new_decision(outcome=StoreOutcome.NOTHING, plan=None, state=state, reserve_keys=())
@@ -353,7 +417,7 @@ def plan_store(
         request_id=request,
         direction=Direction.STORE,
         blocks_per_chunk=f,
-        keys=tuple(keys),
+        keys=KeyColumn(keys),
         gpu_block_ids=gpu_block_ids,
         group_sizes=sizes,
         block_indices=firsts,

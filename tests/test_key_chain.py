@@ -122,3 +122,48 @@ def test_extending_a_states_keys_keeps_the_earlier_states_keys() -> None:
     grown = extend_keys(config, state, hashes)
     assert state.keys[0] == tuple(OffloadKey(0, h) for h in hashes[:3])
     assert grown.keys[0] == tuple(OffloadKey(0, h) for h in hashes)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(min_value=-12, max_value=12), st.integers(min_value=-12, max_value=12)
+        ),
+        max_size=12,
+    )
+)
+def test_reads_in_any_order_see_the_keys_the_hashes_name(reads: list[tuple[int, int]]) -> None:
+    """Keys are made from the hashes when first read, by index or slice in any order (the
+    made ones kept); every read must see what a tuple of the keys would."""
+    keys = tuple(OffloadKey(2, bytes([n])) for n in range(10))
+    chain = KeyChain().extended_hashes(2, [key.block_hash for key in keys])
+    for start, stop in reads:
+        assert chain[start:stop] == keys[start:stop]
+        if -10 <= start < 10:
+            assert chain[start] == keys[start]
+    assert tuple(chain) == keys
+    assert chain.group == 2
+
+
+def test_a_chain_holds_keys_of_one_group() -> None:
+    with pytest.raises(InvalidInputError, match="one group"):
+        KeyChain([OffloadKey(0, b"\x01"), OffloadKey(1, b"\x02")])
+    with pytest.raises(InvalidInputError, match="group 0"):
+        KeyChain(_keys(1)).extended_hashes(1, [b"\x02"])
+
+
+def test_keying_a_request_makes_no_key_object_until_one_is_read() -> None:
+    config = OffloadConfig(
+        hash_block_size=16,
+        blocks_per_chunk=1,
+        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
+    )
+    state = new_request_state(
+        config, "r1", num_prompt_tokens=64, block_hashes=[bytes([i]) for i in range(4)]
+    )
+    column = state.keys[0]._column
+    assert column.keys == []
+    assert state.keys[0][2:4] == (OffloadKey(0, b"\x02"), OffloadKey(0, b"\x03"))
+    made_past_the_prefix = len(column.keys)
+    assert state.keys[0][0:2] == (OffloadKey(0, b"\x00"), OffloadKey(0, b"\x01"))
+    assert (made_past_the_prefix, len(column.keys)) == (0, 2)  # a prefix read is kept
