@@ -74,7 +74,8 @@ def _moves(
     num_blocks: int, groups: int, f: int, rows: list[int], generator: Any
 ) -> tuple[list[GroupMove], list[GroupMove]]:
     """Return store and load moves of two chunks per group; every block id is used once (the
-    groups share one buffer, so a block id belongs to one group at a time)."""
+    groups share one buffer, so a block id belongs to one group at a time). Each group has its
+    own row ids, so groups may use the same row numbers."""
     ids = [int(i) for i in torch.randperm(num_blocks, generator=generator)]
     stores, loads = [], []
     for g in range(groups):
@@ -131,9 +132,13 @@ def test_a_recorded_vllm_layout_round_trips_every_group_and_touches_nothing_else
         (stored,) = executor.wait([1])
         assert stored.success, stored.error
         assert torch.equal(_read(buffer), source)
-        tier = executor.host_tier.array.reshape(num_rows, -1)
-        untouched = sorted(set(range(num_rows)) - set(rows[: 2 * len(groups)]))
-        assert (tier[untouched] == TIER_FILL).all()
+        layout = executor.host_tier.tier  # each group's rows in its own region, at its pitch
+        for g, move in enumerate(stores):
+            for row in sorted(set(range(num_rows)) - set(move.rows)):
+                start = layout.row_offset(g, row)
+                assert (
+                    executor.host_tier.array[start : start + layout.pitch[g]] == TIER_FILL
+                ).all()
         tier_after_store = executor.host_tier.array.copy()
 
         _write(buffer, torch.full_like(source, POISON))
