@@ -227,7 +227,16 @@ def _shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Shape:
     )
     world_size = int(parallel.world_size)
     row_bytes = expected_row_bytes(kv_cache_config, groups.offloaded, settings.blocks_per_chunk)
-    num_rows = rows_for_budget(settings.cpu_bytes_to_use, [world_size * r for r in row_bytes])
+    weights = settings.cpu_tier_group_weights
+    if weights is not None and len(weights) != len(row_bytes):
+        raise InvalidInputError(
+            field="kv_connector_extra_config.cpu_tier_group_weights",
+            expected=f"one weight per offloaded KV-cache group ({len(row_bytes)})",
+            got=list(weights),
+        )
+    num_rows = rows_for_budget(
+        settings.cpu_bytes_to_use, [world_size * r for r in row_bytes], weights=weights
+    )
     if min(num_rows) < 1:
         raise InvalidInputError(
             field="kv_connector_extra_config.cpu_bytes_to_use",

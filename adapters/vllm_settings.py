@@ -21,6 +21,8 @@ SETTINGS: dict[str, str] = {
     "store_decoded_tokens": "store chunks of generated tokens too (default true)",
     "eviction_policy": 'which ready chunks go first when the tier is full: "lru" (default), '
     '"arc" or "tail_first"',
+    "cpu_tier_group_weights": "how many chunks of each offloaded KV-cache group the tier holds, "
+    "relative: a list of integers >= 1, one per offloaded group (default: 1 each)",
 }
 """Every key kvferry reads from `kv_connector_extra_config`, with what it means; drives the
 parser, its error messages and docs/embedding.md."""
@@ -45,6 +47,9 @@ class ConnectorSettings:
     """Store generated tokens' chunks as well as the prompt's."""
     eviction_policy: EvictionPolicyKind = EvictionPolicyKind.LRU
     """The tier's eviction policy."""
+    cpu_tier_group_weights: tuple[int, ...] | None = None
+    """Each offloaded group's share of the tier's chunks (`rows_for_budget`'s weights); None:
+    every group holds the same number of chunks."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -88,6 +93,19 @@ class ConnectorSettings:
                 extra["eviction_policy"],
                 field="kv_connector_extra_config.eviction_policy",
             )
+        if "cpu_tier_group_weights" in extra:
+            weights = extra["cpu_tier_group_weights"]
+            if (
+                not isinstance(weights, list)
+                or not weights
+                or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in weights)
+            ):
+                raise InvalidInputError(
+                    field="kv_connector_extra_config.cpu_tier_group_weights",
+                    expected="a list of integers >= 1, one per offloaded KV-cache group",
+                    got=weights,
+                )
+            values["cpu_tier_group_weights"] = tuple(weights)
         return cls(**values)
 
 

@@ -38,6 +38,7 @@ from vllm_rig import (  # noqa: E402
 
 from kvferry.adapters.vllm import SPEC_KINDS  # noqa: E402
 from kvferry.core.config import GroupKind  # noqa: E402
+from kvferry.core.errors import InvalidInputError  # noqa: E402
 from kvferry.core.plan import Direction  # noqa: E402
 from kvferry.executors.faults import FaultPoint, FaultyExecutor  # noqa: E402
 
@@ -383,3 +384,20 @@ def test_the_json_line_of_the_docs_with_the_cpu_executor_serves_a_reload(
     serve_then_reload(engine, tail=[7, 8, 9])
     assert type(engine.connector).__name__ == "KvferryConnector"
     assert engine.scheduled_at("b")[0][0] == 64
+
+
+def test_group_weights_give_each_offloaded_group_its_share_of_the_tier(
+    model_config: Any,
+) -> None:
+    even = build_engine(model_config, full_and_sliding(window=32), kvferry())
+    weighted = build_engine(
+        model_config, full_and_sliding(window=32), kvferry(cpu_tier_group_weights=[1, 3])
+    )
+    (n, m) = even.connector.scheduler_side.session.catalog.config.capacity_rows
+    (a, b) = weighted.connector.scheduler_side.session.catalog.config.capacity_rows
+    assert n == m and b == 3 * a
+
+
+def test_group_weights_of_the_wrong_length_are_refused(model_config: Any) -> None:
+    with pytest.raises(InvalidInputError, match="cpu_tier_group_weights"):
+        build_engine(model_config, full_attention(), kvferry(cpu_tier_group_weights=[1, 3]))

@@ -35,6 +35,13 @@ def test_every_setting_is_read() -> None:
     assert settings.eviction_policy is EvictionPolicyKind.ARC
 
 
+def test_group_weights_are_read_as_a_tuple() -> None:
+    settings = ConnectorSettings.from_extra_config(
+        {"cpu_bytes_to_use": 1 << 30, "cpu_tier_group_weights": [1, 4]}
+    )
+    assert settings.cpu_tier_group_weights == (1, 4)
+
+
 def test_a_whole_float_size_is_accepted() -> None:
     assert ConnectorSettings.from_extra_config({"cpu_bytes_to_use": 64e9}).cpu_bytes_to_use == (
         64_000_000_000
@@ -60,6 +67,9 @@ def test_a_misspelt_key_is_refused_with_the_closest_name() -> None:
         ("store_decoded_tokens", "yes"),
         ("eviction_policy", "fifo"),
         ("executor", ""),
+        ("cpu_tier_group_weights", [1, 0]),
+        ("cpu_tier_group_weights", "1,4"),
+        ("cpu_tier_group_weights", []),
     ],
 )
 def test_a_bad_value_is_refused_naming_its_key(key: str, value: object) -> None:
