@@ -26,9 +26,9 @@ from kvferry.adapters.messages import (
     decode_completions,
     decode_jobs,
     encode_completions,
-    encode_jobs,
 )
 from kvferry.adapters.session import CompletionReport, OffloadSession, RecomputeRange
+from kvferry.adapters.wire import encode_jobs_binary
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.errors import InvalidInputError, KvferryError
 from kvferry.core.plan import Direction
@@ -420,24 +420,24 @@ class WorkerPool:
     def submit(
         self, jobs: Sequence[BoundPlan] | bytes, *, flush: Iterable[int] = ()
     ) -> tuple[Completions, ...]:
-        """Send `jobs` (bound plans, or an `encode_jobs` message) to every rank; each first
+        """Send `jobs` (bound plans, or a binary or JSON jobs message) to every rank; each first
         waits for its `flush` jobs still in flight, then submits loads before stores.
 
         Returns, per rank, the jobs that ended since its last report (feed them to
         `report_all`). The jobs run asynchronously on GPU executors.
         """
-        message = jobs if isinstance(jobs, bytes) else encode_jobs(jobs)
+        message = jobs if isinstance(jobs, bytes) else encode_jobs_binary(jobs)
         return self._step(message, tuple(int(j) for j in flush))
 
     def poll(self) -> tuple[Completions, ...]:
         """Return, per rank, the jobs that ended since its last report."""
-        return self._step(encode_jobs(()), ())
+        return self._step(encode_jobs_binary(()), ())
 
     def wait(self, job_ids: Iterable[int]) -> tuple[Completions, ...]:
         """Block until the given jobs end on every rank; return, per rank, every job that ended
         since its last report (those and any others). Jobs a rank already reported are skipped.
         """
-        return self._step(encode_jobs(()), tuple(int(j) for j in job_ids))
+        return self._step(encode_jobs_binary(()), tuple(int(j) for j in job_ids))
 
     def call(self, name: str, payload: Any = None) -> tuple[Any, ...]:
         """Run the shards' extra command `name` with the same `payload` on every rank; return
