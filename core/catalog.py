@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -19,7 +20,7 @@ import numpy as np
 from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.eviction import EvictionPolicyKind, make_policy
-from kvferry.core.keys import KeyStatus, OffloadKey
+from kvferry.core.keys import KeyColumn, KeyStatus, OffloadKey
 
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS
@@ -248,9 +249,28 @@ def locked_method(method: Callable[Concatenate[_G, _P], _R]) -> Callable[Concate
 
 
 class _GroupRows:
-    """One group's rows: capacity, free list, next never-used row, rows held, its policy."""
+    """One group's part of the tier: its rows (capacity, free list, next never-used row, rows
+    held), its keys by chunk hash (status, row, store in flight), its pins as a row-indexed
+    column, and its eviction policy over the same hashes.
 
-    __slots__ = ("capacity", "freed", "next_fresh", "policy", "used")
+    Keyed by the engine's hash bytes, not by `OffloadKey`: a bytes object keeps its hash, so a
+    lookup, pin or reservation of a long prompt probes each dictionary in one C-level pass
+    (`map` of a bound method) and makes no key object.
+    """
+
+    __slots__ = (
+        "capacity",
+        "doomed",
+        "freed",
+        "next_fresh",
+        "pin_total",
+        "pins",
+        "policy",
+        "row_of",
+        "status",
+        "used",
+        "writing",
+    )
 
     def __init__(self, capacity: int, policy: EvictionPolicyKind) -> None:
         self.capacity = capacity
@@ -258,14 +278,29 @@ class _GroupRows:
         self.freed: list[int] = []
         self.next_fresh = 0
         self.used = 0
+        self.status: dict[bytes, KeyStatus] = {}
+        """HIT for ready keys, PENDING for writing ones."""
+        self.row_of: dict[bytes, int] = {}
+        self.writing: dict[bytes, tuple[int, str | None]] = {}
+        """Per writing key: the token position its chunk ends at, and the storing request."""
+        self.pins = np.zeros(capacity, dtype=np.int32)
+        """Loads reading each row."""
+        self.pin_total = 0
+        """The sum of `pins`: 0 means no row is pinned (the common case, checked first)."""
+        self.doomed: set[bytes] = set()
+        """Ready keys to drop once their last pin is released (a load of them failed)."""
 
-    def take(self) -> int:
-        self.used += 1
-        if self.freed:
-            return self.freed.pop()
-        row = self.next_fresh
-        self.next_fresh += 1
-        return row
+    def take(self, count: int) -> list[int]:
+        """Return `count` free rows (freed ones first, last freed first), now used."""
+        self.used += count
+        freed = self.freed
+        reused = min(count, len(freed))
+        rows = freed[len(freed) - reused :][::-1]
+        del freed[len(freed) - reused :]
+        fresh = self.next_fresh
+        self.next_fresh = fresh + count - reused
+        rows.extend(range(fresh, self.next_fresh))
+        return rows
 
     def give_back(self, row: int) -> None:
         self.used -= 1
@@ -275,12 +310,82 @@ class _GroupRows:
     def free(self) -> int:
         return self.capacity - self.used
 
+    def rows(self, hashes: Sequence[bytes]) -> IdArray:
+        """Return the rows of `hashes`, all present."""
+        return np.fromiter(map(self.row_of.__getitem__, hashes), dtype=np.int64, count=len(hashes))
 
-def _by_group(keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
-    grouped: dict[int, list[OffloadKey]] = {}
-    for key in keys:
-        grouped.setdefault(key.group, []).append(key)
+    def pinned(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Return, per hash, whether a load pins its row (absent: False)."""
+        if not self.pin_total:
+            return [False] * len(hashes)
+        rows = np.fromiter(map(self.row_of.get, hashes, _NO_ROW), dtype=np.int64, count=len(hashes))
+        held = rows >= 0
+        flags = np.zeros(len(hashes), dtype=np.bool_)
+        flags[held] = self.pins[rows[held]] > 0
+        result: list[bool] = flags.tolist()
+        return result
+
+    def protection(self, asked: dict[bytes, None]) -> Callable[[object], bool]:
+        """Return the predicate a policy's `choose` skips keys by: a key of `asked` (the
+        same call) or one a load pins."""
+        row_of, pins = self.row_of, self.pins
+        return lambda h: h in asked or bool(pins[row_of[h]])  # type: ignore[index]
+
+    def is_pinned(self, block_hash: bytes) -> bool:
+        row = self.row_of.get(block_hash)
+        return row is not None and self.pin_total > 0 and bool(self.pins[row] > 0)
+
+    def clear(self) -> None:
+        self.freed.clear()
+        self.next_fresh = self.used = 0
+        self.status.clear()
+        self.row_of.clear()
+        self.writing.clear()
+        self.doomed.clear()
+        self.pins[:] = 0
+        self.pin_total = 0
+        self.policy.clear()
+
+
+_NO_ROW = itertools.repeat(-1)
+_MISSES = itertools.repeat(_MISS)
+
+
+def _runs(keys: Sequence[OffloadKey]) -> list[tuple[int, list[bytes]]]:
+    """Return `keys` as runs of one group each, in order: (group, the run's hashes). A
+    `KeyColumn` gives its runs from its group column, no key made."""
+    if isinstance(keys, KeyColumn):
+        groups = keys.groups
+        if not len(groups):
+            return []
+        hashes = keys.hashes()
+        starts = [0, *(np.flatnonzero(groups[1:] != groups[:-1]) + 1).tolist(), len(groups)]
+        return [
+            (int(groups[start]), hashes[start:stop]) for start, stop in itertools.pairwise(starts)
+        ]
+    return [(group, list(map(_HASH, run))) for group, run in itertools.groupby(keys, key=_GROUP)]
+
+
+def _merged(runs: list[tuple[int, list[bytes]]]) -> dict[int, list[bytes]]:
+    """Return the hashes of `runs` per group (repeats kept), groups in order of first
+    appearance."""
+    grouped: dict[int, list[bytes]] = {}
+    for group, hashes in runs:
+        grouped[group] = [*grouped[group], *hashes] if group in grouped else hashes
     return grouped
+
+
+def _keys_of(group: int, hashes: Iterable[bytes]) -> tuple[OffloadKey, ...]:
+    """Return the OffloadKeys of `hashes` in `group`."""
+    return tuple(map(_make_key, zip(itertools.repeat(group), hashes)))
+
+
+def _make_key(pair: tuple[int, bytes]) -> OffloadKey:
+    return OffloadKey._make(pair)
+
+
+_GROUP = operator.itemgetter(0)
+_HASH = operator.itemgetter(1)
 
 
 class Catalog:
@@ -289,8 +394,10 @@ class Catalog:
     Every group has its own rows (`CatalogConfig.group_rows`), free list and eviction policy:
     a key takes a row of its group, and making room evicts only keys of the same group.
 
-    It is a `StoreTierView` (and so a `KeyStatusView`): the planner may read it directly.
-    Every changing method either does all it says or raises and changes nothing.
+    It is a `StoreTierView` (and so a `KeyStatusView`, and a `HashStatusView`): the planner may
+    read it directly. Every changing method either does all it says or raises and changes
+    nothing. Calls given a `KeyColumn` (a plan's keys) work on its columns of groups and hashes
+    and make no `OffloadKey`.
 
     Given a `lock` (a re-entrant lock such as `threading.RLock()`), every public call holds it,
     so threads may share the catalog; without one it is for one thread. An `OffloadSession`
@@ -303,18 +410,10 @@ class Catalog:
         self._lock = lock
         self._config = config
         self._groups: dict[int, _GroupRows] = {}
-        """Per group seen (or configured), its rows; made on first use."""
+        """Per group seen (or configured), its rows and keys; made on first use."""
         if isinstance(config.capacity_rows, tuple):
             for g in range(len(config.capacity_rows)):
                 self._group(g)
-        self._status: dict[OffloadKey, KeyStatus] = {}
-        """HIT for ready keys, PENDING for writing ones: `statuses` is one dict lookup a key."""
-        self._rows: dict[OffloadKey, int] = {}
-        self._pins: dict[OffloadKey, int] = {}
-        self._writing: dict[OffloadKey, tuple[int, str | None]] = {}
-        """Per writing key: the token position its chunk ends at, and the storing request."""
-        self._doomed: set[OffloadKey] = set()
-        """Ready keys to drop once their last pin is released (a load of them failed)."""
         self._events: list[CatalogEvent] = []
         self._hits = self._misses = self._stores = self._failed = self._evictions = 0
 
@@ -350,7 +449,7 @@ class Catalog:
     @locked_method
     def rows_used(self) -> int:
         """Return the number of rows held by writing and ready keys, all groups together."""
-        return len(self._rows)
+        return sum(rows.used for rows in self._groups.values())
 
     @locked_method
     def free_rows(self, group: int) -> int:
@@ -365,33 +464,57 @@ class Catalog:
     ) -> list[KeyStatus]:
         """Return per key HIT (ready), PENDING (writing) or MISS (absent); with
         `pinned_as_pending`, PENDING also for ready keys that a load is reading."""
-        get = self._status.get
-        if not pinned_as_pending or not self._pins:
-            return list(map(get, keys, itertools.repeat(_MISS)))  # no Python frame per key
-        pins = self._pins
-        return [_PENDING if key in pins else get(key, _MISS) for key in keys]
+        answer: list[KeyStatus] = []
+        for group, hashes in _runs(keys):
+            answer += self.hash_statuses(group, hashes, pinned_as_pending=pinned_as_pending)
+        return answer
+
+    @locked_method
+    def hash_statuses(
+        self, group: int, hashes: Sequence[bytes], *, pinned_as_pending: bool = False
+    ) -> list[KeyStatus]:
+        """Return `statuses` of the keys of `group` whose hashes are `hashes` (no key made)."""
+        rows = self._groups.get(group)
+        if rows is None:
+            return [_MISS] * len(hashes)
+        found = list(map(rows.status.get, hashes, _MISSES))  # one pass in C
+        if pinned_as_pending and rows.pin_total:
+            for index, pinned in enumerate(rows.pinned(hashes)):
+                if pinned:
+                    found[index] = _PENDING
+        return found
 
     @locked_method
     def entry(self, key: OffloadKey) -> CatalogEntry | None:
         """Return what the catalog holds for `key`, or None when the key is absent."""
-        status = self._status.get(key)
-        if status is None:
+        rows = self._groups.get(key.group)
+        status = None if rows is None else rows.status.get(key.block_hash)
+        if rows is None or status is None:
             return None
+        row = rows.row_of[key.block_hash]
         return CatalogEntry(
             state=KeyState.READY if status is _HIT else KeyState.WRITING,
-            row=self._rows[key],
-            pins=self._pins.get(key, 0),
+            row=row,
+            pins=int(rows.pins[row]),
         )
 
     @locked_method
     def snapshot(self) -> dict[OffloadKey, CatalogEntry]:
         """Return every present key's entry (a copy; for checks and debugging, not hot paths)."""
-        return {key: entry for key in self._status if (entry := self.entry(key)) is not None}
+        entries = {}
+        for group, rows in sorted(self._groups.items()):
+            for block_hash in rows.status:
+                key = OffloadKey(group, block_hash)
+                entry = self.entry(key)
+                if entry is not None:
+                    entries[key] = entry
+        return entries
 
     @locked_method
     def is_pinned(self, key: OffloadKey) -> bool:
         """Return True when a load is reading `key`."""
-        return key in self._pins
+        rows = self._groups.get(key.group)
+        return rows is not None and rows.is_pinned(key.block_hash)
 
     @locked_method
     def counters(self) -> CatalogCounters:
@@ -405,7 +528,7 @@ class Catalog:
             stores=self._stores,
             failed_stores=self._failed,
             evictions=self._evictions,
-            rows_used=len(self._rows),
+            rows_used=sum(rows.used for rows in self._groups.values()),
             capacity_rows=self._config.capacity_rows,
         )
 
@@ -420,27 +543,57 @@ class Catalog:
 
     # -- stores --------------------------------------------------------------------------------
 
-    def _victims(self, keys: Iterable[OffloadKey]) -> tuple[list[OffloadKey], list[OffloadKey]]:
-        """Return (the distinct absent keys of `keys`, the victims making room), or raise
-        _NoRoom."""
-        asked = dict.fromkeys(keys)
-        status = self._status
-        new = [key for key in asked if key not in status]
+    def _asked(self, keys: Sequence[OffloadKey]) -> tuple[dict[int, dict[bytes, None]], bool]:
+        """Return the distinct hashes of `keys` per group, in the order asked, and whether
+        each group's keys came as one run (then the groups in turn are the order asked)."""
+        asked: dict[int, dict[bytes, None]] = {}
+        runs = _runs(keys)
+        for group, hashes in runs:
+            asked.setdefault(group, {}).update(dict.fromkeys(hashes))
+        return asked, len(runs) == len(asked)
+
+    def _present_ready(
+        self, asked: dict[int, dict[bytes, None]], new: dict[int, list[bytes]]
+    ) -> dict[int, Sequence[bytes]]:
+        """Return per group the hashes of `asked` that are ready (present, not writing)."""
+        ready: dict[int, Sequence[bytes]] = {}
+        for group, hashes in asked.items():
+            rows = self._groups.get(group)
+            if rows is None or len(new.get(group, ())) == len(hashes):
+                continue
+            writing = rows.writing
+            ready[group] = [h for h in hashes if h in rows.status and h not in writing]
+        return ready
+
+    def _victims(
+        self, asked: dict[int, dict[bytes, None]]
+    ) -> tuple[dict[int, list[bytes]], dict[int, list[bytes]]]:
+        """Return, per group, (the distinct absent hashes of `asked`, the victims making room),
+        or raise _NoRoomError."""
+        new: dict[int, list[bytes]] = {}
+        for group, hashes in asked.items():
+            rows = self._groups.get(group)
+            absent = (
+                list(hashes)
+                if rows is None
+                else list(itertools.filterfalse(rows.status.__contains__, hashes))
+            )
+            if absent:
+                new[group] = absent
         if isinstance(self._config.capacity_rows, tuple) and new:  # refuse an unknown group
-            self._group(max(key.group for key in new))
-        if len(new) <= self._least_free():
-            return new, []
-        pins = self._pins
-        victims: list[OffloadKey] = []
-        for g, group_new in _by_group(new).items():
-            rows = self._group(g)
+            self._group(max(new))
+        victims: dict[int, list[bytes]] = {}
+        if sum(map(len, new.values())) <= self._least_free():
+            return new, victims
+        for group, group_new in new.items():
+            rows = self._group(group)
             need = len(group_new) - rows.free
             if need <= 0:
                 continue
-            chosen = rows.policy.choose(need, lambda key: key in pins or key in asked)
+            chosen = rows.policy.choose(need, rows.protection(asked[group]))
             if chosen is None:
                 raise _NoRoomError
-            victims += chosen
+            victims[group] = chosen  # type: ignore[assignment]  # the policy holds hashes
         return new, victims
 
     def _least_free(self) -> int:
@@ -456,11 +609,10 @@ class Catalog:
             self._groups[group] = rows
         return rows
 
-    def _touch(self, keys: Sequence[OffloadKey], request: str | None) -> None:
+    def _touch(self, hashes: Mapping[int, Sequence[bytes]], request: str | None) -> None:
         """Tell each group's policy of its keys (and every policy of `request`'s activity)."""
-        grouped = _by_group(keys)
         for g, rows in self._groups.items():
-            rows.policy.touch(grouped.get(g, ()), request=request)
+            rows.policy.touch(hashes.get(g, ()), request=request)
 
     @locked_method
     def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
@@ -469,7 +621,7 @@ class Catalog:
         if len(keys) <= self._least_free():  # room even if every key is absent: no search
             return True
         try:
-            self._victims(keys)
+            self._victims(self._asked(keys)[0])
         except _NoRoomError:
             return False
         return True
@@ -500,7 +652,8 @@ class Catalog:
                 expected=f"one position per key ({len(keys)})",
                 got=len(positions),
             )
-        if len(set(keys)) != len(keys):  # one row would stand for two chunks: refuse it
+        asked, in_order = self._asked(keys)
+        if sum(map(len, asked.values())) != len(keys):  # one row would stand for two chunks
             raise InvalidInputError(
                 request=request,
                 field="keys",
@@ -508,29 +661,47 @@ class Catalog:
                 got=[str(key) for key in keys],
             )
         try:
-            new, victims = self._victims(keys)
+            new, victims = self._victims(asked)
         except _NoRoomError:
             return None
-        present_ready = [key for key in keys if self._status.get(key) is _HIT]
-        self._touch(present_ready, request)
+        self._touch(self._present_ready(asked, new), request)
         if victims:  # the touch may reorder the candidates, never their number
-            new, victims = self._victims(keys)
-        victim_rows = [self._rows[key] for key in victims]
-        for key in victims:
-            self._evict(key)
-        if victims:
-            self._record(EventKind.REMOVED, victims)
-        position_of = dict(zip(keys, positions, strict=True)) if positions is not None else {}
-        rows = []
-        for key in new:
-            row = self._group(key.group).take()
-            self._rows[key] = row
-            self._status[key] = _PENDING
-            self._writing[key] = (position_of.get(key, 0), request)
-            rows.append(row)
-        self._misses += len(new)
+            new, victims = self._victims(asked)
+        evicted: list[OffloadKey] = []
+        evicted_rows: list[int] = []
+        for group, hashes in victims.items():
+            rows = self._groups[group]
+            evicted_rows += map(rows.row_of.__getitem__, hashes)
+            for block_hash in hashes:
+                self._evict(rows, block_hash)
+            evicted += _keys_of(group, hashes)
+        if evicted:
+            self._record(EventKind.REMOVED, evicted)
+        position_of = {} if positions is None else dict(zip(keys, positions, strict=True))
+        new_keys: list[OffloadKey] = []
+        new_rows: list[int] = []
+        for group, hashes in new.items():
+            rows = self._group(group)
+            taken = rows.take(len(hashes))
+            made = _keys_of(group, hashes)
+            ends = (
+                map(position_of.get, made, itertools.repeat(0))
+                if position_of
+                else itertools.repeat(0)
+            )
+            rows.row_of.update(zip(hashes, taken, strict=True))
+            rows.status.update(dict.fromkeys(hashes, _PENDING))
+            rows.writing.update(zip(hashes, zip(ends, itertools.repeat(request)), strict=False))
+            new_keys += made
+            new_rows += taken
+        self._misses += len(new_keys)
+        if not in_order:  # the answer lists the keys in the order asked
+            order = {key: index for index, key in enumerate(keys)}
+            ranked = sorted(range(len(new_keys)), key=lambda i: order[new_keys[i]])
+            new_keys = [new_keys[i] for i in ranked]
+            new_rows = [new_rows[i] for i in ranked]
         return Reservation(
-            keys=tuple(new), rows=rows, evicted=tuple(victims), evicted_rows=victim_rows
+            keys=tuple(new_keys), rows=new_rows, evicted=tuple(evicted), evicted_rows=evicted_rows
         )
 
     @locked_method
@@ -538,29 +709,44 @@ class Catalog:
         """Finish the store of `keys` (all writing): success makes them ready, failure forgets
         them and frees their rows. Raise PlanInvariantError, changing nothing, when a key is
         not writing."""
-        keys = list(dict.fromkeys(keys))
-        writing = self._writing
-        for key in keys:
-            if key not in writing:
+        asked, _ = self._asked(keys)
+        for group, distinct in asked.items():
+            rows = self._groups.get(group)
+            writing = {} if rows is None else rows.writing
+            if not all(map(writing.__contains__, distinct)):
+                key = OffloadKey(group, next(h for h in distinct if h not in writing))
                 raise PlanInvariantError(
-                    group=key.group,
+                    group=group,
                     field="keys",
                     expected="keys being written (reserved, store in flight)",
                     got=f"{key} ({self._describe(key)})",
                 )
+        done = sum(map(len, asked.values()))
+        for group, listed_once in asked.items():
+            rows, hashes = self._groups[group], list(listed_once)
+            if success:
+                ends = list(map(rows.writing.pop, hashes))
+                rows.status.update(dict.fromkeys(hashes, _HIT))
+                # one admission per storing request, in order (a reservation has one)
+                for request, run in itertools.groupby(
+                    zip(hashes, ends, strict=True), key=_storing_request
+                ):
+                    listed = list(run)
+                    rows.policy.admit_all(
+                        [h for h, _ in listed],
+                        positions=[end for _, (end, _) in listed],
+                        request=request,
+                    )
+            else:
+                for block_hash in hashes:
+                    del rows.writing[block_hash]
+                    del rows.status[block_hash]
+                    rows.give_back(rows.row_of.pop(block_hash))
         if success:
-            for key in keys:
-                position, request = writing.pop(key)
-                self._status[key] = _HIT
-                self._groups[key.group].policy.admit(key, position=position, request=request)
-            self._stores += len(keys)
-            self._record(EventKind.STORED, keys)
+            self._stores += done
+            self._record(EventKind.STORED, [k for g, hs in asked.items() for k in _keys_of(g, hs)])
         else:
-            for key in keys:
-                del writing[key]
-                del self._status[key]
-                self._groups[key.group].give_back(self._rows.pop(key))
-            self._failed += len(keys)
+            self._failed += done
 
     # -- loads ---------------------------------------------------------------------------------
 
@@ -571,48 +757,66 @@ class Catalog:
         A key pinned k times is unpinned k times before it can be evicted. Raise
         PlanInvariantError, changing nothing, when a key is not ready.
         """
-        status = self._status
-        for key in keys:
-            if status.get(key) is not _HIT:
+        runs = _runs(keys)
+        for group, hashes in runs:
+            rows = self._groups.get(group)
+            found = [_MISS] * len(hashes) if rows is None else list(map(rows.status.get, hashes))
+            if found.count(_HIT) != len(hashes):
+                key = OffloadKey(group, hashes[[s is _HIT for s in found].index(False)])
                 raise PlanInvariantError(
                     request=request,
-                    group=key.group,
+                    group=group,
                     field="keys",
                     expected="ready keys to load",
                     got=f"{key} ({self._describe(key)})",
                 )
-        pins = self._pins
-        for key in keys:
-            pins[key] = pins.get(key, 0) + 1
+        answer = []
+        for group, hashes in runs:
+            rows = self._groups[group]
+            found_rows = rows.rows(hashes)
+            np.add.at(rows.pins, found_rows, 1)
+            rows.pin_total += len(hashes)
+            answer.append(found_rows)
         self._hits += len(keys)
-        self._touch(keys, request)
-        rows = self._rows
-        return frozen_ids(np.fromiter((rows[key] for key in keys), dtype=np.int64, count=len(keys)))
+        self._touch(_merged(runs), request)
+        return frozen_ids(np.concatenate(answer) if answer else np.zeros(0, dtype=np.int64))
 
     @locked_method
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         """Release one pin of each key of `keys` (a load ended). Raise PlanInvariantError,
         changing nothing, when a key is pinned fewer times than it appears in `keys`."""
-        wanted: dict[OffloadKey, int] = {}
-        for key in keys:
-            wanted[key] = wanted.get(key, 0) + 1
-        pins = self._pins
-        for key, count in wanted.items():
-            if pins.get(key, 0) < count:
+        releases = []
+        for group, hashes in _merged(_runs(keys)).items():
+            rows = self._groups.get(group)
+            row_of = {} if rows is None else rows.row_of
+            if rows is None or not all(map(row_of.__contains__, hashes)):
+                block_hash = next(h for h in hashes if h not in row_of)
                 raise PlanInvariantError(
-                    group=key.group,
+                    group=group,
                     field="keys",
-                    expected=f"a key pinned at least {count} time(s)",
-                    got=f"{key} pinned {pins.get(key, 0)} time(s)",
+                    expected=f"a key pinned at least {hashes.count(block_hash)} time(s)",
+                    got=f"{OffloadKey(group, block_hash)} pinned 0 time(s)",
                 )
-        for key, count in wanted.items():
-            left = pins[key] - count
-            if left:
-                pins[key] = left
-            else:
-                del pins[key]
-        if self._doomed:
-            self._drop([key for key in wanted if key in self._doomed and key not in pins])
+            unique, first, listed = np.unique(
+                rows.rows(hashes), return_index=True, return_counts=True
+            )
+            short = listed > rows.pins[unique]
+            if short.any():
+                at = int(np.argmax(short))
+                key = OffloadKey(group, hashes[int(first[at])])
+                raise PlanInvariantError(
+                    group=group,
+                    field="keys",
+                    expected=f"a key pinned at least {int(listed[at])} time(s)",
+                    got=f"{key} pinned {int(rows.pins[unique[at]])} time(s)",
+                )
+            releases.append((group, rows, hashes, unique, listed))
+        for group, rows, hashes, unique, listed in releases:
+            rows.pins[unique] -= listed.astype(np.int32)
+            rows.pin_total -= len(hashes)
+            if rows.doomed:
+                unpinned = [h for h in dict.fromkeys(hashes) if not rows.is_pinned(h)]
+                self._drop(group, rows, [h for h in unpinned if h in rows.doomed])
 
     @locked_method
     def discard(self, keys: Sequence[OffloadKey]) -> None:
@@ -621,20 +825,22 @@ class Catalog:
         Unpinned keys go now and free their rows; keys other loads still pin go when their
         last pin is released. Absent and writing keys are left alone.
         """
-        status, pins = self._status, self._pins
-        ready = [key for key in dict.fromkeys(keys) if status.get(key) is _HIT]
-        self._doomed.update(key for key in ready if key in pins)
-        self._drop([key for key in ready if key not in pins])
+        for group, hashes in _runs(keys):
+            rows = self._groups.get(group)
+            if rows is None:
+                continue
+            ready = [h for h in dict.fromkeys(hashes) if rows.status.get(h) is _HIT]
+            rows.doomed.update(h for h in ready if rows.is_pinned(h))
+            self._drop(group, rows, [h for h in ready if not rows.is_pinned(h)])
 
-    def _drop(self, keys: list[OffloadKey]) -> None:
-        for key in keys:
-            self._doomed.discard(key)
-            del self._status[key]
-            rows = self._groups[key.group]
-            rows.give_back(self._rows.pop(key))
-            rows.policy.remove(key)
-        if keys:
-            self._record(EventKind.REMOVED, keys)
+    def _drop(self, group: int, rows: _GroupRows, hashes: list[bytes]) -> None:
+        for block_hash in hashes:
+            rows.doomed.discard(block_hash)
+            del rows.status[block_hash]
+            rows.give_back(rows.row_of.pop(block_hash))
+            rows.policy.remove(block_hash)
+        if hashes:
+            self._record(EventKind.REMOVED, _keys_of(group, hashes))
 
     # -- events and reset ----------------------------------------------------------------------
 
@@ -648,41 +854,53 @@ class Catalog:
     def reset(self) -> None:
         """Forget every key, row and pin (counters keep their totals); ready keys are
         reported as removed."""
-        ready = [key for key, status in self._status.items() if status is _HIT]
+        ready = [
+            OffloadKey(group, block_hash)
+            for group, rows in self._groups.items()
+            for block_hash, status in rows.status.items()
+            if status is _HIT
+        ]
         if ready:
             self._record(EventKind.REMOVED, ready)
-        self._status.clear()
-        self._rows.clear()
-        self._pins.clear()
-        self._writing.clear()
-        self._doomed.clear()
         for rows in self._groups.values():
-            rows.freed.clear()
-            rows.next_fresh = rows.used = 0
-            rows.policy.clear()
+            rows.clear()
 
     # -- private -------------------------------------------------------------------------------
 
-    def _evict(self, key: OffloadKey) -> None:
-        del self._status[key]
-        rows = self._groups[key.group]
-        rows.give_back(self._rows.pop(key))
-        rows.policy.remove(key)
+    def _evict(self, rows: _GroupRows, block_hash: bytes) -> None:
+        del rows.status[block_hash]
+        rows.give_back(rows.row_of.pop(block_hash))
+        rows.policy.remove(block_hash)
         self._evictions += 1
 
-    def _record(self, kind: EventKind, keys: Iterable[OffloadKey]) -> None:
+    def _record(self, kind: EventKind, keys: Sequence[OffloadKey]) -> None:
         if not self._config.record_events:
             return
         for group, group_keys in _by_group(keys).items():
             self._events.append(CatalogEvent(kind=kind, group=group, keys=tuple(group_keys)))
 
     def _describe(self, key: OffloadKey) -> str:
-        status = self._status.get(key)
-        if status is None:
+        rows = self._groups.get(key.group)
+        status = None if rows is None else rows.status.get(key.block_hash)
+        if rows is None or status is None:
             return "absent"
         if status is _PENDING:
             return "writing"
-        return f"ready, pinned {self._pins[key]} time(s)" if key in self._pins else "ready"
+        row = rows.row_of[key.block_hash]
+        pins = int(rows.pins[row])
+        return f"ready, pinned {pins} time(s)" if pins else "ready"
+
+
+def _by_group(keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
+    grouped: dict[int, list[OffloadKey]] = {}
+    for key in keys:
+        grouped.setdefault(key.group, []).append(key)
+    return grouped
+
+
+def _storing_request(entry: tuple[bytes, tuple[int, str | None]]) -> str | None:
+    """Return the request of a (hash, (position, request)) entry of a writing key."""
+    return entry[1][1]
 
 
 class _NoRoomError(Exception):

@@ -2,18 +2,26 @@
 
 Deterministic bookkeeping only: recency is the order of operations (no clock), no randomness,
 no I/O; a policy never decides whether a key may go (the catalog's `protected` predicate does).
+
+A policy orders opaque, hashable keys: the catalog keeps one policy per KV-cache group and gives
+it the group's chunk hashes (the bytes the engine computed), so ordering a group's keys makes no
+key object and hashes nothing twice (a bytes object keeps its hash).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import enum
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from kvferry.core.errors import InvalidInputError, member_named
-from kvferry.core.keys import OffloadKey
+
+PolicyKey = Hashable
+"""What a policy orders: within the catalog, one group's chunk hashes."""
 
 
 class EvictionPolicyKind(enum.Enum):
@@ -33,7 +41,7 @@ class EvictionPolicyKind(enum.Enum):
         return member_named(cls, name, field="policy")
 
 
-Protected = Callable[[OffloadKey], bool]
+Protected = Callable[[PolicyKey], bool]
 """Says whether a key must not be evicted now (pinned, or among the keys of the same call)."""
 
 
@@ -45,20 +53,27 @@ class EvictionPolicy(Protocol):
     to pick victims. `choose` changes nothing, so a reservation can stay all-or-nothing.
     """
 
-    def admit(self, key: OffloadKey, *, position: int, request: str | None) -> None:
+    def admit(self, key: PolicyKey, *, position: int, request: str | None) -> None:
         """Record that `key` (ending at token `position`, stored for `request`) became ready."""
         ...
 
-    def touch(self, keys: Iterable[OffloadKey], *, request: str | None) -> None:
+    def admit_all(
+        self, keys: Sequence[PolicyKey], *, positions: Sequence[int], request: str | None
+    ) -> None:
+        """Record that `keys` (distinct, none held; `positions[i]` where the chunk of
+        `keys[i]` ends) became ready together, in that order: `admit` of each."""
+        ...
+
+    def touch(self, keys: Iterable[PolicyKey], *, request: str | None) -> None:
         """Record that `request` used `keys` now (and, when given, that `request` is active
         now); keys the policy does not hold are ignored."""
         ...
 
-    def remove(self, key: OffloadKey) -> None:
+    def remove(self, key: PolicyKey) -> None:
         """Forget `key`: the catalog evicted it."""
         ...
 
-    def choose(self, count: int, protected: Protected) -> list[OffloadKey] | None:
+    def choose(self, count: int, protected: Protected) -> list[PolicyKey] | None:
         """Return `count` unprotected keys, first victim first, or None when there are fewer;
         nothing is changed."""
         ...
@@ -72,12 +87,27 @@ class EvictionPolicy(Protocol):
         ...
 
 
+def _exhaust(calls: Iterator[object]) -> None:
+    """Run every call of the lazy `calls` (a `map`) without keeping a result."""
+    collections.deque(calls, maxlen=0)
+
+
+def _admit_each(
+    policy: EvictionPolicy,
+    keys: Sequence[PolicyKey],
+    positions: Sequence[int],
+    request: str | None,
+) -> None:
+    for key, position in zip(keys, positions, strict=True):
+        policy.admit(key, position=position, request=request)
+
+
 def _first_unprotected(
-    keys: Iterable[OffloadKey], count: int, protected: Protected
-) -> list[OffloadKey] | None:
+    keys: Iterable[PolicyKey], count: int, protected: Protected
+) -> list[PolicyKey] | None:
     if count <= 0:
         return []
-    victims: list[OffloadKey] = []
+    victims: list[PolicyKey] = []
     for key in keys:
         if not protected(key):
             victims.append(key)
@@ -90,25 +120,35 @@ class LruPolicy:
     """Least recently used first: admission and every touch make a key the most recent."""
 
     def __init__(self, capacity: int) -> None:
-        self._order: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._order: OrderedDict[PolicyKey, None] = OrderedDict()
 
-    def admit(self, key: OffloadKey, *, position: int, request: str | None) -> None:
+    def admit(self, key: PolicyKey, *, position: int, request: str | None) -> None:
         """Make `key` the most recently used."""
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def touch(self, keys: Iterable[OffloadKey], *, request: str | None) -> None:
+    def admit_all(
+        self, keys: Sequence[PolicyKey], *, positions: Sequence[int], request: str | None
+    ) -> None:
+        """Make `keys` (none held) the most recently used, the last one most."""
+        self._order.update(zip(keys, itertools.repeat(None)))
+
+    def touch(self, keys: Iterable[PolicyKey], *, request: str | None) -> None:
         """Make each held key of `keys` the most recently used, in order."""
         order = self._order
-        for key in keys:
-            if key in order:
-                order.move_to_end(key)
+        keys = keys if isinstance(keys, Sequence) else list(keys)
+        try:  # every key held (a load's, a repeated store's): one pass in C
+            _exhaust(map(order.move_to_end, keys))
+        except KeyError:  # moving the held ones again, in order, gives the same final order
+            for key in keys:
+                if key in order:
+                    order.move_to_end(key)
 
-    def remove(self, key: OffloadKey) -> None:
+    def remove(self, key: PolicyKey) -> None:
         """Forget `key`."""
         self._order.pop(key, None)
 
-    def choose(self, count: int, protected: Protected) -> list[OffloadKey] | None:
+    def choose(self, count: int, protected: Protected) -> list[PolicyKey] | None:
         """Return the `count` least recently used unprotected keys, or None."""
         return _first_unprotected(self._order, count, protected)
 
@@ -134,17 +174,17 @@ class ArcPolicy:
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._p = 0
-        self._t1: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._t2: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._t1: OrderedDict[PolicyKey, None] = OrderedDict()
+        self._t2: OrderedDict[PolicyKey, None] = OrderedDict()
+        self._b1: OrderedDict[PolicyKey, None] = OrderedDict()
+        self._b2: OrderedDict[PolicyKey, None] = OrderedDict()
 
     @property
     def target_t1(self) -> int:
         """Return `p`, the size ARC currently aims at for T1 (keys used once)."""
         return self._p
 
-    def lists(self) -> tuple[tuple[OffloadKey, ...], ...]:
+    def lists(self) -> tuple[tuple[PolicyKey, ...], ...]:
         """Return (T1, T2, B1, B2), each least recent first (for tests and debugging)."""
         return tuple(tuple(d) for d in (self._t1, self._t2, self._b1, self._b2))
 
@@ -155,7 +195,7 @@ class ArcPolicy:
         while self._b2 and len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * c:
             self._b2.popitem(last=False)
 
-    def admit(self, key: OffloadKey, *, position: int, request: str | None) -> None:
+    def admit(self, key: PolicyKey, *, position: int, request: str | None) -> None:
         """Put `key` in T1, or in T2 (adapting `p`) when a ghost list remembers it."""
         if key in self._t1 or key in self._t2:
             self.touch((key,), request=request)
@@ -172,7 +212,13 @@ class ArcPolicy:
             self._t1[key] = None
         self._trim_ghosts()
 
-    def touch(self, keys: Iterable[OffloadKey], *, request: str | None) -> None:
+    def admit_all(
+        self, keys: Sequence[PolicyKey], *, positions: Sequence[int], request: str | None
+    ) -> None:
+        """`admit` each of `keys`, in order."""
+        _admit_each(self, keys, positions, request)
+
+    def touch(self, keys: Iterable[PolicyKey], *, request: str | None) -> None:
         """Move each held key of `keys` to the most recent end of T2."""
         for key in keys:
             if key in self._t1:
@@ -181,7 +227,7 @@ class ArcPolicy:
             elif key in self._t2:
                 self._t2.move_to_end(key)
 
-    def remove(self, key: OffloadKey) -> None:
+    def remove(self, key: PolicyKey) -> None:
         """Move an evicted key to the ghost list of the list it was in."""
         if key in self._t1:
             del self._t1[key]
@@ -191,7 +237,7 @@ class ArcPolicy:
             self._b2[key] = None
         self._trim_ghosts()
 
-    def choose(self, count: int, protected: Protected) -> list[OffloadKey] | None:
+    def choose(self, count: int, protected: Protected) -> list[PolicyKey] | None:
         """Return `count` victims by ARC's replacement rule, or None."""
         if count <= 0:
             return []
@@ -199,7 +245,7 @@ class ArcPolicy:
         from_t2 = (key for key in self._t2 if not protected(key))
         next1, next2 = next(from_t1, None), next(from_t2, None)
         t1_size = len(self._t1)
-        victims: list[OffloadKey] = []
+        victims: list[PolicyKey] = []
         while len(victims) < count:
             if next1 is not None and (t1_size > self._p or next2 is None):
                 victims.append(next1)
@@ -235,16 +281,16 @@ class TailFirstPolicy:
     def __init__(self, capacity: int) -> None:
         self._owners: OrderedDict[str | None, list[tuple[int, int]]] = OrderedDict()
         """Per owner, least recently active first: (position, admission number), ascending."""
-        self._where: dict[OffloadKey, tuple[str | None, int, int]] = {}
-        self._key_of: dict[int, OffloadKey] = {}
+        self._where: dict[PolicyKey, tuple[str | None, int, int]] = {}
+        self._key_of: dict[int, PolicyKey] = {}
         self._admitted = 0
 
-    def _insert(self, key: OffloadKey, owner: str | None, position: int, number: int) -> None:
+    def _insert(self, key: PolicyKey, owner: str | None, position: int, number: int) -> None:
         bisect.insort(self._owners.setdefault(owner, []), (position, number))
         self._where[key] = (owner, position, number)
         self._key_of[number] = key
 
-    def _drop(self, key: OffloadKey) -> tuple[int, int]:
+    def _drop(self, key: PolicyKey) -> tuple[int, int]:
         owner, position, number = self._where.pop(key)
         del self._key_of[number]
         entries = self._owners[owner]
@@ -253,7 +299,7 @@ class TailFirstPolicy:
             del self._owners[owner]
         return position, number
 
-    def admit(self, key: OffloadKey, *, position: int, request: str | None) -> None:
+    def admit(self, key: PolicyKey, *, position: int, request: str | None) -> None:
         """Give `key` to `request` and make that request the most recently active."""
         if key in self._where:
             self._drop(key)
@@ -261,7 +307,13 @@ class TailFirstPolicy:
         self._insert(key, request, position, self._admitted)
         self._owners.move_to_end(request)
 
-    def touch(self, keys: Iterable[OffloadKey], *, request: str | None) -> None:
+    def admit_all(
+        self, keys: Sequence[PolicyKey], *, positions: Sequence[int], request: str | None
+    ) -> None:
+        """`admit` each of `keys`, in order."""
+        _admit_each(self, keys, positions, request)
+
+    def touch(self, keys: Iterable[PolicyKey], *, request: str | None) -> None:
         """Give each held key of `keys` to `request` (when given) and make the owners of the
         keys, then `request`, the most recently active."""
         for key in keys:
@@ -277,17 +329,17 @@ class TailFirstPolicy:
         if request in self._owners:
             self._owners.move_to_end(request)
 
-    def remove(self, key: OffloadKey) -> None:
+    def remove(self, key: PolicyKey) -> None:
         """Forget `key`."""
         if key in self._where:
             self._drop(key)
 
-    def _order(self) -> Iterator[OffloadKey]:
+    def _order(self) -> Iterator[PolicyKey]:
         for entries in self._owners.values():
             for _, number in reversed(entries):
                 yield self._key_of[number]
 
-    def choose(self, count: int, protected: Protected) -> list[OffloadKey] | None:
+    def choose(self, count: int, protected: Protected) -> list[PolicyKey] | None:
         """Return `count` victims, tails of the least recently active requests first, or None."""
         return _first_unprotected(self._order(), count, protected)
 
