@@ -136,7 +136,7 @@ class _Job:
     job_id: int
     request_id: str
     direction: Direction
-    keys: tuple[OffloadKey, ...]
+    keys: Sequence[OffloadKey]
     recompute: RecomputeRange | None = None
     cursor_before: tuple[int, ...] = ()
     """A load's request store cursors before it: a failed load puts them back."""
@@ -399,7 +399,7 @@ class OffloadSession:
         if plan.is_empty:
             request.state = state
             return None
-        keys = plan.keys.as_tuple()
+        keys = plan.keys  # a KeyColumn: the catalog pins it by its columns, no key made
         rows = self._catalog.pin(keys, request=request_id)
         cursor_before = request.state.store_cursor
         request.state = state
@@ -864,7 +864,7 @@ class OffloadSession:
         request_id: str,
         request: _Request,
         direction: Direction,
-        keys: tuple[OffloadKey, ...],
+        keys: Sequence[OffloadKey],
     ) -> _Job:
         job = _Job(job_id=self._next_job, request_id=request_id, direction=direction, keys=keys)
         self._next_job += 1

@@ -8,7 +8,6 @@ Without vLLM installed this module does not import; the rest of kvferry does not
 
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
 from collections.abc import Iterable, Iterator, Sequence
@@ -820,8 +819,6 @@ def load_block_ranges(
 
 
 _BLOCK_ID = operator.attrgetter("block_id")
-_IS_NULL = operator.attrgetter("is_null")
-_BLOCK_HASH = operator.attrgetter("block_hash")
 
 
 def _load_tables(
@@ -829,7 +826,10 @@ def _load_tables(
 ) -> tuple[GroupBlocks, ...]:
     """Return the offloaded groups' GroupBlocks a load reads from vLLM's `KVCacheBlocks`: only
     the block objects of `load_block_ranges` are read (a long request's others never are); the
-    tables end there, null below. A real block with a `block_hash` is a GPU prefix-cache hit."""
+    tables end there, null below. Id 0 is vLLM's null block. A block with a `block_hash` is a
+    GPU prefix-cache hit; only a range's first block can be one (the block the GPU prefix ends
+    inside): vLLM clears the hash of every block it hands out fresh, and the blocks past the
+    GPU prefix are fresh, so their hashes are not read."""
     groups = getattr(kv_cache_blocks, "blocks", kv_cache_blocks)
     if not isinstance(groups, Sequence):
         raise InvalidInputError(
@@ -843,16 +843,12 @@ def _load_tables(
         window = groups[gid][start:stop]
         count = len(window)
         ids = np.zeros(start + count, dtype=np.int64)
-        null = np.ones(start + count, dtype=np.bool_)
-        cached = np.zeros(start + count, dtype=np.bool_)
         ids[start:] = np.fromiter(map(_BLOCK_ID, window), dtype=np.int64, count=count)
-        null[start:] = np.fromiter(map(_IS_NULL, window), dtype=np.bool_, count=count)
-        hashed = np.fromiter(
-            map(operator.is_not, map(_BLOCK_HASH, window), itertools.repeat(None)),
-            dtype=np.bool_,
-            count=count,
-        )
-        cached[start:] = hashed & ~null[start:]
+        null = ids == 0
+        null[:start] = True
+        cached = np.zeros(start + count, dtype=np.bool_)
+        if count and not null[start]:
+            cached[start] = window[0].block_hash is not None
         tables.append(GroupBlocks(ids=ids, is_null=null, is_cached=cached))
     return tuple(tables)
 

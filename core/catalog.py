@@ -266,6 +266,7 @@ class _GroupRows:
         "pin_total",
         "pins",
         "policy",
+        "ready",
         "row_of",
         "status",
         "used",
@@ -283,6 +284,8 @@ class _GroupRows:
         self.row_of: dict[bytes, int] = {}
         self.writing: dict[bytes, tuple[int, str | None]] = {}
         """Per writing key: the token position its chunk ends at, and the storing request."""
+        self.ready = np.zeros(capacity, dtype=np.bool_)
+        """Whether each row holds a ready key (the `status` of its key is HIT)."""
         self.pins = np.zeros(capacity, dtype=np.int32)
         """Loads reading each row."""
         self.pin_total = 0
@@ -303,6 +306,7 @@ class _GroupRows:
         return rows
 
     def give_back(self, row: int) -> None:
+        self.ready[row] = False
         self.used -= 1
         self.freed.append(row)
 
@@ -313,6 +317,19 @@ class _GroupRows:
     def rows(self, hashes: Sequence[bytes]) -> IdArray:
         """Return the rows of `hashes`, all present."""
         return np.fromiter(map(self.row_of.__getitem__, hashes), dtype=np.int64, count=len(hashes))
+
+    def ready_rows(self, hashes: Sequence[bytes]) -> tuple[IdArray, int]:
+        """Return the rows of `hashes` (-1 for an absent one) and the index of the first hash
+        whose key is not ready, or -1 when all are."""
+        rows = np.fromiter(map(self.row_of.get, hashes, _NO_ROW), dtype=np.int64, count=len(hashes))
+        ready = self.ready[rows] & (rows >= 0)
+        return rows, -1 if ready.all() else int(np.argmin(ready))
+
+    def add_pins(self, rows: IdArray, sign: int) -> None:
+        """Add `sign` (1 or -1) to the pins of each of `rows` (a row listed k times, k times)."""
+        unique, listed = np.unique(rows, return_counts=True)
+        self.pins[unique] += sign * listed.astype(np.int32)
+        self.pin_total += sign * len(rows)
 
     def pinned(self, hashes: Sequence[bytes]) -> list[bool]:
         """Return, per hash, whether a load pins its row (absent: False)."""
@@ -343,6 +360,7 @@ class _GroupRows:
         self.writing.clear()
         self.doomed.clear()
         self.pins[:] = 0
+        self.ready[:] = False
         self.pin_total = 0
         self.policy.clear()
 
@@ -727,6 +745,7 @@ class Catalog:
             if success:
                 ends = list(map(rows.writing.pop, hashes))
                 rows.status.update(dict.fromkeys(hashes, _HIT))
+                rows.ready[rows.rows(hashes)] = True
                 # one admission per storing request, in order (a reservation has one)
                 for request, run in itertools.groupby(
                     zip(hashes, ends, strict=True), key=_storing_request
@@ -758,11 +777,12 @@ class Catalog:
         PlanInvariantError, changing nothing, when a key is not ready.
         """
         runs = _runs(keys)
+        answer = []
         for group, hashes in runs:
             rows = self._groups.get(group)
-            found = [_MISS] * len(hashes) if rows is None else list(map(rows.status.get, hashes))
-            if found.count(_HIT) != len(hashes):
-                key = OffloadKey(group, hashes[[s is _HIT for s in found].index(False)])
+            found, not_ready = (None, 0) if rows is None else rows.ready_rows(hashes)
+            if found is None or not_ready >= 0:
+                key = OffloadKey(group, hashes[not_ready])
                 raise PlanInvariantError(
                     request=request,
                     group=group,
@@ -770,13 +790,9 @@ class Catalog:
                     expected="ready keys to load",
                     got=f"{key} ({self._describe(key)})",
                 )
-        answer = []
-        for group, hashes in runs:
-            rows = self._groups[group]
-            found_rows = rows.rows(hashes)
-            np.add.at(rows.pins, found_rows, 1)
-            rows.pin_total += len(hashes)
-            answer.append(found_rows)
+            answer.append(found)
+        for (group, _), found in zip(runs, answer, strict=True):
+            self._groups[group].add_pins(found, 1)
         self._hits += len(keys)
         self._touch(_merged(runs), request)
         return frozen_ids(np.concatenate(answer) if answer else np.zeros(0, dtype=np.int64))
@@ -813,7 +829,7 @@ class Catalog:
             releases.append((group, rows, hashes, unique, listed))
         for group, rows, hashes, unique, listed in releases:
             rows.pins[unique] -= listed.astype(np.int32)
-            rows.pin_total -= len(hashes)
+            rows.pin_total -= len(hashes)  # one pin per listing
             if rows.doomed:
                 unpinned = [h for h in dict.fromkeys(hashes) if not rows.is_pinned(h)]
                 self._drop(group, rows, [h for h in unpinned if h in rows.doomed])
@@ -917,6 +933,10 @@ class CatalogView:
     def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
         """Return the catalog's statuses; with `pinned_as_pending`, PENDING for pinned keys."""
         return self._catalog.statuses(keys, pinned_as_pending=self._pinned_as_pending)
+
+    def hash_statuses(self, group: int, hashes: Sequence[bytes]) -> list[KeyStatus]:
+        """Return the catalog's `hash_statuses` (PENDING for pinned keys, as `statuses`)."""
+        return self._catalog.hash_statuses(group, hashes, pinned_as_pending=self._pinned_as_pending)
 
     def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
         """Return the catalog's `can_reserve(keys)`."""

@@ -9,7 +9,7 @@ import enum
 import itertools
 import operator
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, NamedTuple, Protocol, final, overload
+from typing import Any, NamedTuple, Protocol, final, overload, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -48,9 +48,22 @@ def _width_with(width: int, added: list[bytes]) -> int:
     """Return the one length of hashes of length `width` (0: none yet) and `added`, or -1."""
     if not added or width == -1:
         return width
-    lengths = set(map(len, added))
-    if width:
-        lengths.add(width)
+    return _joined_width(width, hash_width(added))
+
+
+def _joined_width(width: int, other: int) -> int:
+    """Return the one length of two lists of hashes whose one lengths are `width` and `other`
+    (0: empty, -1: lengths differ)."""
+    if not width or not other:
+        return width or other
+    return width if width == other else -1
+
+
+def hash_width(hashes: list[bytes]) -> int:
+    """Return the length every hash of `hashes` has: 0 for none, -1 when they differ."""
+    if not hashes:
+        return 0
+    lengths = set(map(len, hashes))
     return lengths.pop() if len(lengths) == 1 else -1
 
 
@@ -98,19 +111,23 @@ class KeyChain(Sequence[OffloadKey]):
         added = list(keys)
         _check_keys(added)
         group = _group_of(self._group if self._length else -1, added)
-        return self._grown(group, [key.block_hash for key in added])
+        hashes = [key.block_hash for key in added]
+        return self._grown(group, hashes, hash_width(hashes))
 
-    def extended_hashes(self, group: int, hashes: list[bytes]) -> KeyChain:
+    def extended_hashes(
+        self, group: int, hashes: list[bytes], *, width: int | None = None
+    ) -> KeyChain:
         """Return this chain followed by the keys of `group` whose hashes are `hashes` (bytes,
-        which the caller has checked); no key object is made. Raise InvalidInputError when the
-        chain holds keys of another group."""
+        which the caller has checked; `width`, when the caller knows it, is their
+        `hash_width`); no key object is made. Raise InvalidInputError when the chain holds
+        keys of another group."""
         if self._length and group != self._group:
             raise InvalidInputError(
                 group=group, field="keys", expected=f"keys of group {self._group}", got=group
             )
-        return self._grown(group, hashes)
+        return self._grown(group, hashes, hash_width(hashes) if width is None else width)
 
-    def _grown(self, group: int, added: list[bytes]) -> KeyChain:
+    def _grown(self, group: int, added: list[bytes], added_width: int) -> KeyChain:
         column, length = self._column, self._length
         store = column.hashes
         end = length + len(added)
@@ -119,7 +136,7 @@ class KeyChain(Sequence[OffloadKey]):
             store.extend(added)  # one step under the GIL; another thread may have gone first:
             shared = store[length:end] == added  # are the entries past `length` ours?
             if shared:
-                column.width = _width_with(column.width, added)
+                column.width = _joined_width(column.width, added_width)
         if not shared:  # an older chain (or a race lost): copy its part
             column = _Column(store[:length] + added, column.keys[:length])
         chain = _new(KeyChain)
@@ -421,4 +438,15 @@ class KeyStatusView(Protocol):
 
     def statuses(self, keys: Sequence[OffloadKey]) -> Sequence[KeyStatus]:
         """Return one status per key, in the same order."""
+        ...
+
+
+@runtime_checkable
+class HashStatusView(KeyStatusView, Protocol):
+    """A KeyStatusView that also answers for one group's keys given as their hashes: the
+    planner asks it for a request's keys straight from the request's hash column, making no
+    `OffloadKey` (a long prompt's lookup reads thousands)."""
+
+    def hash_statuses(self, group: int, hashes: Sequence[bytes]) -> Sequence[KeyStatus]:
+        """Return `statuses` of the keys `(group, h)` for each `h` of `hashes`, in order."""
         ...

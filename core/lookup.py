@@ -6,13 +6,14 @@ Pure: the tier is consulted only through a read-only KeyStatusView; nothing is r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import attrs
 
 from kvferry.core.checks import check_count
 from kvferry.core.config import GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError
-from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.keys import HashStatusView, KeyChain, KeyStatus, KeyStatusView, OffloadKey
 from kvferry.core.kinds import KindRule, Scan
 from kvferry.core.state import RequestState
 
@@ -47,6 +48,15 @@ class _GroupStatuses:
         self._keys = keys
         self._lo = self._hi = 0
         self._values: list[KeyStatus] = []
+        self._ask = self._ask_by_hash if _by_hash(view, keys) else self._ask_by_key
+
+    def _ask_by_key(self, lo: int, hi: int) -> Sequence[KeyStatus]:
+        return self._view.statuses(self._keys[lo:hi])
+
+    def _ask_by_hash(self, lo: int, hi: int) -> Sequence[KeyStatus]:
+        chain = cast(KeyChain, self._keys)
+        view = cast(HashStatusView, self._view)
+        return view.hash_statuses(chain.group, chain.hash_slice(lo, hi))
 
     def fetch(self, lo: int, hi: int) -> None:
         """Make the statuses of chunks `[lo, hi)` available, asking the view once per gap."""
@@ -55,10 +65,10 @@ class _GroupStatuses:
         if not self._values:
             self._lo, self._hi = lo, lo
         if lo < self._lo:
-            self._values[:0] = self._view.statuses(self._keys[lo : self._lo])
+            self._values[:0] = self._ask(lo, self._lo)
             self._lo = lo
         if hi > self._hi:
-            self._values.extend(self._view.statuses(self._keys[self._hi : hi]))
+            self._values.extend(self._ask(self._hi, hi))
             self._hi = hi
 
     def __getitem__(self, chunk: int) -> KeyStatus:
@@ -87,6 +97,11 @@ class _GroupStatuses:
         whole = lo <= self._lo and hi >= self._hi
         values = self._values if whole else self._values[lo - self._lo : hi - self._lo]
         return values.count(KeyStatus.HIT) == len(values)
+
+
+def _by_hash(view: KeyStatusView, keys: Sequence[OffloadKey]) -> bool:
+    """Return True when the view can be asked by hash for `keys` (a request's key chain)."""
+    return isinstance(keys, KeyChain) and len(keys) > 0 and isinstance(view, HashStatusView)
 
 
 def _ceil_div(a: int, b: int) -> int:

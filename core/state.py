@@ -12,7 +12,7 @@ import attrs
 from kvferry.core.checks import check_count, unchecked_evolver
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
-from kvferry.core.keys import KeyChain, OffloadKey
+from kvferry.core.keys import KeyChain, OffloadKey, hash_width
 
 
 def _key_chains(value: Iterable[Iterable[OffloadKey]]) -> tuple[KeyChain, ...]:
@@ -107,6 +107,20 @@ def check_hash_count(
         )
 
 
+def _check_bytes(request_id: str, group: int, hashes: Sequence[object]) -> None:
+    """Raise InvalidInputError naming the first of `hashes` that is not bytes."""
+    if set(map(type, hashes)) - {bytes}:  # one pass in C; the loop only finds the culprit
+        for block_hash in hashes:
+            if not isinstance(block_hash, bytes):
+                raise InvalidInputError(
+                    request=request_id,
+                    group=group,
+                    field="block_hashes",
+                    expected="bytes for every hash",
+                    got=block_hash,
+                )
+
+
 def extend_keys(
     config: OffloadConfig, state: RequestState, block_hashes: Sequence[bytes]
 ) -> RequestState:
@@ -129,6 +143,9 @@ def extend_keys(
     num_hashes = len(block_hashes)
     chains = state.keys
     new_keys: list[KeyChain] | None = None
+    taken: dict[tuple[int, int], tuple[list[bytes], int]] = {}
+    """Per (keys known, hashes per chunk): the new chunks' hashes, checked, and their one
+    length; groups alike (often all of them) take one list, checked once."""
     for group, chunk in enumerate(config.all_chunk_tokens):
         step = chunk // config.hash_block_size  # `hashes_per_chunk(group)`, without two calls
         known = chains[group]
@@ -151,20 +168,14 @@ def extend_keys(
                 )
         if (count + 1) * step > num_hashes:
             continue  # the next chunk is not complete yet (most decode steps)
-        added = list(block_hashes[(count + 1) * step - 1 :: step])  # each new chunk's last hash
-        if set(map(type, added)) - {bytes}:  # one pass in C; the loop only finds the culprit
-            for block_hash in added:
-                if not isinstance(block_hash, bytes):
-                    raise InvalidInputError(
-                        request=state.request_id,
-                        group=group,
-                        field="block_hashes",
-                        expected="bytes for every hash",
-                        got=block_hash,
-                    )
+        if (count, step) not in taken:
+            added = list(block_hashes[(count + 1) * step - 1 :: step])  # new chunks' last hashes
+            _check_bytes(state.request_id, group, added)
+            taken[count, step] = (added, hash_width(added))
+        added, width = taken[count, step]
         if new_keys is None:
             new_keys = list(chains)
-        new_keys[group] = known.extended_hashes(group, added)
+        new_keys[group] = known.extended_hashes(group, added, width=width)
     if new_keys is None:
         return state
     # Key lists only grew, so every store cursor still lies within its list.
