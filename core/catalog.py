@@ -262,6 +262,7 @@ class _GroupRows:
         "capacity",
         "doomed",
         "freed",
+        "mark",
         "next_fresh",
         "pin_total",
         "pins",
@@ -288,6 +289,8 @@ class _GroupRows:
         """Whether each row holds a ready key (the `status` of its key is HIT)."""
         self.pins = np.zeros(capacity, dtype=np.int32)
         """Loads reading each row."""
+        self.mark = np.zeros(capacity, dtype=np.int32)
+        """Scratch: tells in one pass whether a call lists a row twice (`add_pins`)."""
         self.pin_total = 0
         """The sum of `pins`: 0 means no row is pinned (the common case, checked first)."""
         self.doomed: set[bytes] = set()
@@ -325,11 +328,16 @@ class _GroupRows:
         ready = self.ready[rows] & (rows >= 0)
         return rows, -1 if ready.all() else int(np.argmin(ready))
 
-    def add_pins(self, rows: IdArray, sign: int) -> None:
-        """Add `sign` (1 or -1) to the pins of each of `rows` (a row listed k times, k times)."""
-        unique, listed = np.unique(rows, return_counts=True)
-        self.pins[unique] += sign * listed.astype(np.int32)
-        self.pin_total += sign * len(rows)
+    def add_pins(self, rows: IdArray) -> None:
+        """Count one more pin of each of `rows` (a row listed k times, k more)."""
+        order = np.arange(len(rows), dtype=np.int32)
+        self.mark[rows] = order  # a row listed twice keeps only its last index here
+        if np.array_equal(self.mark[rows], order):  # each row once: one vectorised add
+            self.pins[rows] += 1
+        else:
+            unique, listed = np.unique(rows, return_counts=True)
+            self.pins[unique] += listed.astype(np.int32)
+        self.pin_total += len(rows)
 
     def pinned(self, hashes: Sequence[bytes]) -> list[bool]:
         """Return, per hash, whether a load pins its row (absent: False)."""
@@ -377,6 +385,8 @@ def _runs(keys: Sequence[OffloadKey]) -> list[tuple[int, list[bytes]]]:
         if not len(groups):
             return []
         hashes = keys.hashes()
+        if groups[0] == groups[-1]:  # one group (the column is listed group by group)
+            return [(int(groups[0]), hashes)]
         starts = [0, *(np.flatnonzero(groups[1:] != groups[:-1]) + 1).tolist(), len(groups)]
         return [
             (int(groups[start]), hashes[start:stop]) for start, stop in itertools.pairwise(starts)
@@ -572,15 +582,17 @@ class Catalog:
 
     def _present_ready(
         self, asked: dict[int, dict[bytes, None]], new: dict[int, list[bytes]]
-    ) -> dict[int, Sequence[bytes]]:
-        """Return per group the hashes of `asked` that are ready (present, not writing)."""
-        ready: dict[int, Sequence[bytes]] = {}
+    ) -> dict[int, tuple[list[bytes], IdArray]]:
+        """Return per group the hashes of `asked` that are ready (present, not writing), and
+        their rows."""
+        ready: dict[int, tuple[list[bytes], IdArray]] = {}
         for group, hashes in asked.items():
             rows = self._groups.get(group)
             if rows is None or len(new.get(group, ())) == len(hashes):
                 continue
             writing = rows.writing
-            ready[group] = [h for h in hashes if h in rows.status and h not in writing]
+            found = [h for h in hashes if h in rows.status and h not in writing]
+            ready[group] = (found, rows.rows(found))
         return ready
 
     def _victims(
@@ -627,10 +639,14 @@ class Catalog:
             self._groups[group] = rows
         return rows
 
-    def _touch(self, hashes: Mapping[int, Sequence[bytes]], request: str | None) -> None:
-        """Tell each group's policy of its keys (and every policy of `request`'s activity)."""
+    def _touch(
+        self, used: Mapping[int, tuple[Sequence[bytes], IdArray]], request: str | None
+    ) -> None:
+        """Tell each group's policy of its keys used now, given with their rows (and every
+        policy of `request`'s activity)."""
         for g, rows in self._groups.items():
-            rows.policy.touch(hashes.get(g, ()), request=request)
+            hashes, found = used.get(g, _NONE_USED)
+            rows.policy.touch(hashes, rows=found, request=request)
 
     @locked_method
     def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
@@ -745,17 +761,19 @@ class Catalog:
             if success:
                 ends = list(map(rows.writing.pop, hashes))
                 rows.status.update(dict.fromkeys(hashes, _HIT))
-                rows.ready[rows.rows(hashes)] = True
+                stored = rows.rows(hashes)
+                rows.ready[stored] = True
                 # one admission per storing request, in order (a reservation has one)
-                for request, run in itertools.groupby(
-                    zip(hashes, ends, strict=True), key=_storing_request
-                ):
-                    listed = list(run)
+                start = 0
+                for request, run in itertools.groupby(ends, key=_storing_request):
+                    stop = start + len(list(run))
                     rows.policy.admit_all(
-                        [h for h, _ in listed],
-                        positions=[end for _, (end, _) in listed],
+                        hashes[start:stop],
+                        rows=stored[start:stop],
+                        positions=[position for position, _ in ends[start:stop]],
                         request=request,
                     )
+                    start = stop
             else:
                 for block_hash in hashes:
                     del rows.writing[block_hash]
@@ -777,7 +795,7 @@ class Catalog:
         PlanInvariantError, changing nothing, when a key is not ready.
         """
         runs = _runs(keys)
-        answer = []
+        answer: list[IdArray] = []
         for group, hashes in runs:
             rows = self._groups.get(group)
             found, not_ready = (None, 0) if rows is None else rows.ready_rows(hashes)
@@ -792,9 +810,15 @@ class Catalog:
                 )
             answer.append(found)
         for (group, _), found in zip(runs, answer, strict=True):
-            self._groups[group].add_pins(found, 1)
+            self._groups[group].add_pins(found)
         self._hits += len(keys)
-        self._touch(_merged(runs), request)
+        used: dict[int, tuple[Sequence[bytes], IdArray]] = {}
+        for (group, hashes), found in zip(runs, answer, strict=True):
+            seen, seen_rows = used.get(group, _NONE_USED)  # a group in two runs: one touch
+            used[group] = (
+                ([*seen, *hashes], np.concatenate([seen_rows, found])) if seen else (hashes, found)
+            )
+        self._touch(used, request)
         return frozen_ids(np.concatenate(answer) if answer else np.zeros(0, dtype=np.int64))
 
     @locked_method
@@ -853,8 +877,9 @@ class Catalog:
         for block_hash in hashes:
             rows.doomed.discard(block_hash)
             del rows.status[block_hash]
-            rows.give_back(rows.row_of.pop(block_hash))
-            rows.policy.remove(block_hash)
+            row = rows.row_of.pop(block_hash)
+            rows.give_back(row)
+            rows.policy.remove(block_hash, row=row)
         if hashes:
             self._record(EventKind.REMOVED, _keys_of(group, hashes))
 
@@ -885,8 +910,9 @@ class Catalog:
 
     def _evict(self, rows: _GroupRows, block_hash: bytes) -> None:
         del rows.status[block_hash]
-        rows.give_back(rows.row_of.pop(block_hash))
-        rows.policy.remove(block_hash)
+        row = rows.row_of.pop(block_hash)
+        rows.give_back(row)
+        rows.policy.remove(block_hash, row=row)
         self._evictions += 1
 
     def _record(self, kind: EventKind, keys: Sequence[OffloadKey]) -> None:
@@ -914,9 +940,12 @@ def _by_group(keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
     return grouped
 
 
-def _storing_request(entry: tuple[bytes, tuple[int, str | None]]) -> str | None:
-    """Return the request of a (hash, (position, request)) entry of a writing key."""
-    return entry[1][1]
+def _storing_request(entry: tuple[int, str | None]) -> str | None:
+    """Return the request of a writing key's (position, request)."""
+    return entry[1]
+
+
+_NONE_USED: tuple[Sequence[bytes], IdArray] = ((), np.zeros(0, dtype=np.int64))
 
 
 class _NoRoomError(Exception):

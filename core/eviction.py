@@ -11,12 +11,13 @@ key object and hashes nothing twice (a bytes object keeps its hash).
 from __future__ import annotations
 
 import bisect
-import collections
 import enum
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from kvferry.core.errors import InvalidInputError, member_named
 
@@ -53,24 +54,37 @@ class EvictionPolicy(Protocol):
     to pick victims. `choose` changes nothing, so a reservation can stay all-or-nothing.
     """
 
-    def admit(self, key: PolicyKey, *, position: int, request: str | None) -> None:
-        """Record that `key` (ending at token `position`, stored for `request`) became ready."""
+    def admit(self, key: PolicyKey, *, row: int, position: int, request: str | None) -> None:
+        """Record that `key` (in `row`, ending at token `position`, stored for `request`)
+        became ready."""
         ...
 
     def admit_all(
-        self, keys: Sequence[PolicyKey], *, positions: Sequence[int], request: str | None
+        self,
+        keys: Sequence[PolicyKey],
+        *,
+        rows: Sequence[int] | npt.NDArray[np.int64],
+        positions: Sequence[int],
+        request: str | None,
     ) -> None:
-        """Record that `keys` (distinct, none held; `positions[i]` where the chunk of
-        `keys[i]` ends) became ready together, in that order: `admit` of each."""
+        """Record that `keys` (distinct, none held; `rows[i]` the row of `keys[i]`,
+        `positions[i]` where its chunk ends) became ready together, in that order: `admit` of
+        each."""
         ...
 
-    def touch(self, keys: Iterable[PolicyKey], *, request: str | None) -> None:
-        """Record that `request` used `keys` now (and, when given, that `request` is active
-        now); keys the policy does not hold are ignored."""
+    def touch(
+        self,
+        keys: Iterable[PolicyKey],
+        *,
+        rows: Sequence[int] | npt.NDArray[np.int64] = (),
+        request: str | None,
+    ) -> None:
+        """Record that `request` used `keys` (in `rows`, one per key) now (and, when given,
+        that `request` is active now); keys the policy does not hold are ignored."""
         ...
 
-    def remove(self, key: PolicyKey) -> None:
-        """Forget `key`: the catalog evicted it."""
+    def remove(self, key: PolicyKey, *, row: int) -> None:
+        """Forget `key` (in `row`): the catalog evicted it."""
         ...
 
     def choose(self, count: int, protected: Protected) -> list[PolicyKey] | None:
@@ -87,19 +101,15 @@ class EvictionPolicy(Protocol):
         ...
 
 
-def _exhaust(calls: Iterator[object]) -> None:
-    """Run every call of the lazy `calls` (a `map`) without keeping a result."""
-    collections.deque(calls, maxlen=0)
-
-
 def _admit_each(
     policy: EvictionPolicy,
     keys: Sequence[PolicyKey],
+    rows: Sequence[int] | npt.NDArray[np.int64],
     positions: Sequence[int],
     request: str | None,
 ) -> None:
-    for key, position in zip(keys, positions, strict=True):
-        policy.admit(key, position=position, request=request)
+    for key, row, position in zip(keys, np.asarray(rows).tolist(), positions, strict=True):
+        policy.admit(key, row=row, position=position, request=request)
 
 
 def _first_unprotected(
@@ -117,47 +127,105 @@ def _first_unprotected(
 
 
 class LruPolicy:
-    """Least recently used first: admission and every touch make a key the most recent."""
+    """Least recently used first: admission and every touch make a key the most recent.
+
+    Recency is a column indexed by each key's row (the catalog's row in the group), written for
+    all of a call's rows at once: a long prompt's load touches thousands of keys in a few array
+    operations. Victims come, oldest first, from a queue of the oldest rows sorted by recency,
+    taken again only when it cannot answer: a row touched or removed after the queue was taken
+    has a new recency (or none) and is passed over, and a row admitted or touched since is newer
+    than every row still in the queue, so the queue's valid rows are the oldest of all.
+    """
+
+    QUEUE_ROWS = 4096
+    """The fewest oldest rows a queue takes (more when a call asks for more victims)."""
 
     def __init__(self, capacity: int) -> None:
-        self._order: OrderedDict[PolicyKey, None] = OrderedDict()
+        self._recency = np.zeros(capacity, dtype=np.int64)
+        """Per row, the clock of its key's last admission or touch; 0: no key held."""
+        self._keys = np.empty(capacity, dtype=object)
+        """Per row, the key it holds."""
+        self._clock = 0
+        self._held = 0
+        self._queue: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self._queued: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        """The queue's rows, oldest first, and their recency when it was taken."""
+        self._queue_whole = True
+        """Whether the queue held every row with a key when it was taken."""
 
-    def admit(self, key: PolicyKey, *, position: int, request: str | None) -> None:
-        """Make `key` the most recently used."""
-        self._order[key] = None
-        self._order.move_to_end(key)
+    def admit(self, key: PolicyKey, *, row: int, position: int, request: str | None) -> None:
+        """Make `key` (in `row`) the most recently used."""
+        self.admit_all([key], rows=[row], positions=[position], request=request)
 
     def admit_all(
-        self, keys: Sequence[PolicyKey], *, positions: Sequence[int], request: str | None
+        self,
+        keys: Sequence[PolicyKey],
+        *,
+        rows: Sequence[int] | npt.NDArray[np.int64],
+        positions: Sequence[int],
+        request: str | None,
     ) -> None:
-        """Make `keys` (none held) the most recently used, the last one most."""
-        self._order.update(zip(keys, itertools.repeat(None)))
+        """Make `keys` (in `rows`, none held) the most recently used, the last one most."""
+        at = np.asarray(rows, dtype=np.int64)
+        self._held += int(np.count_nonzero(self._recency[at] == 0))
+        self._stamp(at)
+        self._keys[at] = keys
 
-    def touch(self, keys: Iterable[PolicyKey], *, request: str | None) -> None:
-        """Make each held key of `keys` the most recently used, in order."""
-        order = self._order
-        keys = keys if isinstance(keys, Sequence) else list(keys)
-        try:  # every key held (a load's, a repeated store's): one pass in C
-            _exhaust(map(order.move_to_end, keys))
-        except KeyError:  # moving the held ones again, in order, gives the same final order
-            for key in keys:
-                if key in order:
-                    order.move_to_end(key)
+    def touch(
+        self,
+        keys: Iterable[PolicyKey],
+        *,
+        rows: Sequence[int] | npt.NDArray[np.int64] = (),
+        request: str | None,
+    ) -> None:
+        """Make each held key of `keys` (in `rows`) the most recently used, in order."""
+        at = np.asarray(rows, dtype=np.int64)
+        self._stamp(at[self._recency[at] > 0])
 
-    def remove(self, key: PolicyKey) -> None:
-        """Forget `key`."""
-        self._order.pop(key, None)
+    def _stamp(self, rows: npt.NDArray[np.int64]) -> None:
+        """Give `rows` the next clock values, in order (a row listed twice keeps the later)."""
+        if len(rows):
+            self._recency[rows] = np.arange(self._clock + 1, self._clock + 1 + len(rows))
+            self._clock += len(rows)
+            self._queue_whole = False  # these rows are newer than the queue, or not in it
+
+    def remove(self, key: PolicyKey, *, row: int) -> None:
+        """Forget `key` (in `row`)."""
+        if self._recency[row]:
+            self._held -= 1
+            self._recency[row] = 0
+            self._keys[row] = None
 
     def choose(self, count: int, protected: Protected) -> list[PolicyKey] | None:
         """Return the `count` least recently used unprotected keys, or None."""
-        return _first_unprotected(self._order, count, protected)
+        if count <= 0:
+            return []
+        while True:
+            valid = self._queue[self._recency[self._queue] == self._queued]
+            victims = _first_unprotected(self._keys[valid], count, protected)
+            if victims is not None or self._queue_whole:
+                return victims
+            self._take_queue(max(self.QUEUE_ROWS, 4 * count, 2 * len(self._queue)))
+
+    def _take_queue(self, size: int) -> None:
+        """Queue the `size` oldest rows with a key (all of them when fewer), oldest first."""
+        held = np.flatnonzero(self._recency)
+        if size < len(held):
+            held = held[np.argpartition(self._recency[held], size)[:size]]
+        self._queue = held[np.argsort(self._recency[held])]
+        self._queued = self._recency[self._queue]
+        self._queue_whole = len(self._queue) == self._held
 
     def clear(self) -> None:
         """Forget every key."""
-        self._order.clear()
+        self._recency[:] = 0
+        self._keys[:] = None
+        self._held = 0
+        self._queue = self._queued = np.zeros(0, dtype=np.int64)
+        self._queue_whole = True
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self._held
 
 
 class ArcPolicy:
@@ -195,7 +263,7 @@ class ArcPolicy:
         while self._b2 and len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * c:
             self._b2.popitem(last=False)
 
-    def admit(self, key: PolicyKey, *, position: int, request: str | None) -> None:
+    def admit(self, key: PolicyKey, *, row: int = -1, position: int, request: str | None) -> None:
         """Put `key` in T1, or in T2 (adapting `p`) when a ghost list remembers it."""
         if key in self._t1 or key in self._t2:
             self.touch((key,), request=request)
@@ -213,12 +281,23 @@ class ArcPolicy:
         self._trim_ghosts()
 
     def admit_all(
-        self, keys: Sequence[PolicyKey], *, positions: Sequence[int], request: str | None
+        self,
+        keys: Sequence[PolicyKey],
+        *,
+        rows: Sequence[int] | npt.NDArray[np.int64],
+        positions: Sequence[int],
+        request: str | None,
     ) -> None:
         """`admit` each of `keys`, in order."""
-        _admit_each(self, keys, positions, request)
+        _admit_each(self, keys, rows, positions, request)
 
-    def touch(self, keys: Iterable[PolicyKey], *, request: str | None) -> None:
+    def touch(
+        self,
+        keys: Iterable[PolicyKey],
+        *,
+        rows: Sequence[int] | npt.NDArray[np.int64] = (),
+        request: str | None,
+    ) -> None:
         """Move each held key of `keys` to the most recent end of T2."""
         for key in keys:
             if key in self._t1:
@@ -227,7 +306,7 @@ class ArcPolicy:
             elif key in self._t2:
                 self._t2.move_to_end(key)
 
-    def remove(self, key: PolicyKey) -> None:
+    def remove(self, key: PolicyKey, *, row: int = -1) -> None:
         """Move an evicted key to the ghost list of the list it was in."""
         if key in self._t1:
             del self._t1[key]
@@ -299,7 +378,7 @@ class TailFirstPolicy:
             del self._owners[owner]
         return position, number
 
-    def admit(self, key: PolicyKey, *, position: int, request: str | None) -> None:
+    def admit(self, key: PolicyKey, *, row: int = -1, position: int, request: str | None) -> None:
         """Give `key` to `request` and make that request the most recently active."""
         if key in self._where:
             self._drop(key)
@@ -308,12 +387,23 @@ class TailFirstPolicy:
         self._owners.move_to_end(request)
 
     def admit_all(
-        self, keys: Sequence[PolicyKey], *, positions: Sequence[int], request: str | None
+        self,
+        keys: Sequence[PolicyKey],
+        *,
+        rows: Sequence[int] | npt.NDArray[np.int64],
+        positions: Sequence[int],
+        request: str | None,
     ) -> None:
         """`admit` each of `keys`, in order."""
-        _admit_each(self, keys, positions, request)
+        _admit_each(self, keys, rows, positions, request)
 
-    def touch(self, keys: Iterable[PolicyKey], *, request: str | None) -> None:
+    def touch(
+        self,
+        keys: Iterable[PolicyKey],
+        *,
+        rows: Sequence[int] | npt.NDArray[np.int64] = (),
+        request: str | None,
+    ) -> None:
         """Give each held key of `keys` to `request` (when given) and make the owners of the
         keys, then `request`, the most recently active."""
         for key in keys:
@@ -329,7 +419,7 @@ class TailFirstPolicy:
         if request in self._owners:
             self._owners.move_to_end(request)
 
-    def remove(self, key: PolicyKey) -> None:
+    def remove(self, key: PolicyKey, *, row: int = -1) -> None:
         """Forget `key`."""
         if key in self._where:
             self._drop(key)

@@ -507,3 +507,16 @@ def test_discard_reports_the_keys_as_removed() -> None:
     cat.drain_events()
     cat.discard([k(1)])
     assert cat.drain_events() == (CatalogEvent(kind=EventKind.REMOVED, group=0, keys=(k(1),)),)
+
+
+def test_a_key_listed_twice_in_one_pin_needs_two_unpins() -> None:
+    catalog = Catalog(CatalogConfig(capacity_rows=4))
+    key = OffloadKey(0, b"k" * 8)
+    reservation = catalog.reserve([key])
+    assert reservation is not None
+    catalog.complete_store([key], success=True)
+    catalog.pin([key, key])
+    catalog.unpin([key])
+    assert catalog.is_pinned(key)
+    catalog.unpin([key])
+    assert not catalog.is_pinned(key)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvferry.core.catalog import Catalog, CatalogConfig
 from kvferry.core.errors import InvalidInputError
@@ -107,8 +111,8 @@ def test_every_policy_says_no_room_when_too_few_keys_are_evictable(
 @pytest.mark.parametrize("kind", ALL)
 def test_every_policy_forgets_evicted_keys(kind: EvictionPolicyKind) -> None:
     policy = make_policy(kind, 2)
-    policy.admit(k(1), position=4, request="a")
-    policy.remove(k(1))
+    policy.admit(k(1), row=0, position=4, request="a")
+    policy.remove(k(1), row=0)
     assert len(policy) == 0
     assert policy.choose(1, lambda key: False) is None
 
@@ -117,7 +121,7 @@ def test_every_policy_forgets_evicted_keys(kind: EvictionPolicyKind) -> None:
 def test_choosing_victims_changes_nothing(kind: EvictionPolicyKind) -> None:
     policy = make_policy(kind, 4)
     for i in range(1, 5):
-        policy.admit(k(i), position=4 * i, request="a")
+        policy.admit(k(i), row=i - 1, position=4 * i, request="a")
     first = policy.choose(2, lambda key: False)
     assert policy.choose(2, lambda key: False) == first
     assert len(policy) == 4
@@ -286,3 +290,56 @@ def test_tail_first_without_requests_orders_one_owner_by_position() -> None:
     policy.admit(k(2), position=16, request=None)
     policy.admit(k(3), position=32, request=None)
     assert policy.choose(3, lambda key: False) == [k(1), k(3), k(2)]
+
+
+class _ReferenceLru:
+    """The LRU order kept the plain way: an ordered dictionary, oldest first."""
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def choose(self, count: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        victims = [key for key in self.order if key not in protected][:count]
+        return victims if len(victims) == count else None
+
+
+_LRU_CALLS = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "touch", "remove", "choose"]),
+        st.lists(st.integers(0, 11), min_size=1, max_size=6),
+        st.integers(1, 5),
+    ),
+    max_size=60,
+)
+
+
+@given(calls=_LRU_CALLS, queue_rows=st.integers(1, 8))
+def test_lru_chooses_exactly_what_an_ordered_dictionary_would(
+    calls: list[tuple[str, list[int], int]], queue_rows: int
+) -> None:
+    policy = LruPolicy(12)
+    policy.QUEUE_ROWS = queue_rows  # small queues: retaken often
+    reference = _ReferenceLru()
+    for call, rows, count in calls:
+        held = [row for row in dict.fromkeys(rows) if k(row) in reference.order]
+        if call == "admit":
+            new = [row for row in dict.fromkeys(rows) if k(row) not in reference.order]
+            policy.admit_all(
+                [k(row) for row in new], rows=new, positions=[0] * len(new), request=None
+            )
+            reference.order.update(dict.fromkeys(k(row) for row in new))
+        elif call == "touch":
+            policy.touch([k(row) for row in rows], rows=rows, request=None)
+            for row in rows:
+                if k(row) in reference.order:
+                    reference.order.move_to_end(k(row))
+        elif call == "remove":
+            for row in held:
+                policy.remove(k(row), row=row)
+                del reference.order[k(row)]
+        else:
+            shielded = {k(row) for row in rows}
+            assert policy.choose(count, shielded.__contains__) == reference.choose(
+                count, shielded
+            )
+        assert len(policy) == len(reference.order)
