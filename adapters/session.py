@@ -15,7 +15,14 @@ import attrs
 from kvferry.core.arrays import IdArray
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
-from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent, Lock, locked_method
+from kvferry.core.catalog import (
+    Catalog,
+    CatalogCounters,
+    CatalogEvent,
+    FoundRows,
+    Lock,
+    locked_method,
+)
 from kvferry.core.checks import at_least
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
@@ -160,6 +167,8 @@ class _Request:
     due_at: tuple[RequestState, int] | None = None
     """For the state it was read from: the fewest stored tokens at which a store is due (some
     group completes a chunk past its store cursor)."""
+    seen: FoundRows | None = None
+    """The rows the last lookup with a hit found, until the load that follows pins them."""
 
 
 _T = TypeVar("_T")
@@ -261,7 +270,6 @@ class OffloadSession:
         self._catalog = catalog
         self._world_size = world_size
         self._fingerprint = layout_fingerprint
-        self._lookup_view: KeyStatusView = catalog.view(pinned_as_pending=True)
         self._lower: LowerTier | None = None
         self._requests: dict[str, _Request] = {}
         self._jobs: dict[int, _Job] = {}
@@ -322,7 +330,6 @@ class OffloadSession:
         """Put `tier` below the CPU tier: lookups read its view, and it hears of stores and
         evictions (docs/semantics.md, "The shared tier")."""
         self._lower = tier
-        self._lookup_view = tier.view(self._catalog.view(pinned_as_pending=True))
 
     # -- the calls of a request's life --------------------------------------------------------
 
@@ -355,14 +362,20 @@ class OffloadSession:
             store_loaded=store_loaded,
             call="lookup",
         )
+        seen = FoundRows()  # the rows found, for the load that follows (`start_load`)
+        view: KeyStatusView = self._catalog.view(pinned_as_pending=True, seen=seen)
+        if self._lower is not None:
+            view = self._lower.view(view)
         try:
-            return lookup(
+            result = lookup(
                 self._config,
                 request.state,
                 num_tokens=num_tokens,
                 num_computed_tokens=num_computed_tokens,
-                tier=self._lookup_view,
+                tier=view,
             )
+            request.seen = seen if result.tokens else None
+            return result
         except KvferryError:  # a refused lookup leaves the request as it was (or unknown)
             if before is None:
                 del self._requests[request_id]
@@ -387,7 +400,9 @@ class OffloadSession:
         key is no longer readable.
         """
         request = self._live(request_id, "start_load")
+        seen = request.seen
         if hit_tokens == 0:
+            request.seen = None
             return None
         plan, state = plan_load(
             self._config,
@@ -397,10 +412,11 @@ class OffloadSession:
             hit_tokens=hit_tokens,
         )
         if plan.is_empty:
-            request.state = state
+            request.state, request.seen = state, None
             return None
         keys = plan.keys  # a KeyColumn: the catalog pins it by its columns, no key made
-        rows = self._catalog.pin(keys, request=request_id)
+        rows = self._catalog.pin(keys, request=request_id, seen=seen)
+        request.seen = None
         cursor_before = request.state.store_cursor
         request.state = state
         job = self._new_job(request_id, request, Direction.LOAD, keys)

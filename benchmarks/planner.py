@@ -74,7 +74,7 @@ from kvferry.core import (
     plan_store,
 )
 from kvferry.core.bound import BoundPlan, JobResult
-from kvferry.core.catalog import Catalog, CatalogConfig
+from kvferry.core.catalog import Catalog, CatalogConfig, FoundRows
 from kvferry.core.keys import OffloadKey
 
 NAME = "planner"
@@ -185,11 +185,13 @@ def long_request_rows(num_tokens: int, num_groups: int = 3) -> dict[str, Sample]
 
     def pin() -> float:
         with _CpuTimer() as timer:
-            found = lookup(config, state, num_tokens=num_tokens, num_computed_tokens=0, tier=view)
+            seen = FoundRows()
+            tier = catalog.view(seen=seen)
+            found = lookup(config, state, num_tokens=num_tokens, num_computed_tokens=0, tier=tier)
             load, _ = plan_load(
                 config, state, tables, num_computed_tokens=0, hit_tokens=found.tokens
             )
-            catalog.pin(load.keys, request="long")
+            catalog.pin(load.keys, request="long", seen=seen)
         catalog.unpin(load.keys)
         return timer.ms
 
@@ -198,11 +200,13 @@ def long_request_rows(num_tokens: int, num_groups: int = 3) -> dict[str, Sample]
             fresh = new_request_state(
                 config, "cold", num_prompt_tokens=num_tokens, block_hashes=hashes
             )
-            found = lookup(config, fresh, num_tokens=num_tokens, num_computed_tokens=0, tier=view)
+            seen = FoundRows()
+            tier = catalog.view(seen=seen)
+            found = lookup(config, fresh, num_tokens=num_tokens, num_computed_tokens=0, tier=tier)
             load, _ = plan_load(
                 config, fresh, tables, num_computed_tokens=0, hit_tokens=found.tokens
             )
-            catalog.pin(load.keys, request="cold")
+            catalog.pin(load.keys, request="cold", seen=seen)
         catalog.unpin(load.keys)
         return timer.ms
 

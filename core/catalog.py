@@ -250,7 +250,8 @@ def locked_method(method: Callable[Concatenate[_G, _P], _R]) -> Callable[Concate
 
 class _GroupRows:
     """One group's part of the tier: its rows (capacity, free list, next never-used row, rows
-    held), its keys by chunk hash (status, row, store in flight), its pins as a row-indexed
+    held), its keys by chunk hash (row, store in flight), whether each row is ready and its
+    pins as row-indexed columns,
     column, and its eviction policy over the same hashes.
 
     Keyed by the engine's hash bytes, not by `OffloadKey`: a bytes object keeps its hash, so a
@@ -269,7 +270,6 @@ class _GroupRows:
         "policy",
         "ready",
         "row_of",
-        "status",
         "used",
         "writing",
     )
@@ -280,16 +280,16 @@ class _GroupRows:
         self.freed: list[int] = []
         self.next_fresh = 0
         self.used = 0
-        self.status: dict[bytes, KeyStatus] = {}
-        """HIT for ready keys, PENDING for writing ones."""
         self.row_of: dict[bytes, int] = {}
+        """The row of each present key (writing or ready)."""
         self.writing: dict[bytes, tuple[int, str | None]] = {}
         """Per writing key: the token position its chunk ends at, and the storing request."""
-        self.ready = np.zeros(capacity, dtype=np.bool_)
-        """Whether each row holds a ready key (the `status` of its key is HIT)."""
-        self.pins = np.zeros(capacity, dtype=np.int32)
+        columns = max(capacity, 1)  # one spare row: absent keys read row 0, masked
+        self.ready = np.zeros(columns, dtype=np.bool_)
+        """Whether each row holds a ready key (else it is free, or its key is writing)."""
+        self.pins = np.zeros(columns, dtype=np.int32)
         """Loads reading each row."""
-        self.mark = np.zeros(capacity, dtype=np.int32)
+        self.mark = np.zeros(columns, dtype=np.int32)
         """Scratch: tells in one pass whether a call lists a row twice (`add_pins`)."""
         self.pin_total = 0
         """The sum of `pins`: 0 means no row is pinned (the common case, checked first)."""
@@ -321,12 +321,30 @@ class _GroupRows:
         """Return the rows of `hashes`, all present."""
         return np.fromiter(map(self.row_of.__getitem__, hashes), dtype=np.int64, count=len(hashes))
 
-    def ready_rows(self, hashes: Sequence[bytes]) -> tuple[IdArray, int]:
-        """Return the rows of `hashes` (-1 for an absent one) and the index of the first hash
-        whose key is not ready, or -1 when all are."""
-        rows = np.fromiter(map(self.row_of.get, hashes, _NO_ROW), dtype=np.int64, count=len(hashes))
-        ready = self.ready[rows] & (rows >= 0)
-        return rows, -1 if ready.all() else int(np.argmin(ready))
+    def find(self, hashes: Sequence[bytes]) -> IdArray:
+        """Return the row of each of `hashes`, -1 for an absent key (one pass in C)."""
+        return np.fromiter(map(self.row_of.get, hashes, _NO_ROW), dtype=np.int64, count=len(hashes))
+
+    def statuses_of(self, rows: IdArray, *, pinned_as_pending: bool) -> list[KeyStatus]:
+        """Return the status of the key of each of `rows` (-1: MISS); with
+        `pinned_as_pending`, PENDING for ready keys a load pins."""
+        held = rows >= 0
+        at = np.where(held, rows, 0)
+        ready = self.ready[at] & held
+        pinned = pinned_as_pending and self.pin_total > 0
+        if not pinned and ready.all():  # a long prompt's whole prefix: one list
+            return [_HIT] * len(rows)
+        codes = np.where(ready, _HIT_CODE, np.where(held, _PENDING_CODE, _MISS_CODE))
+        if pinned:
+            codes[ready & (self.pins[at] > 0)] = _PENDING_CODE
+        return list(map(_STATUS_OF_CODE.__getitem__, codes.tolist()))
+
+    def status(self, block_hash: bytes) -> KeyStatus:
+        """Return the status of one key: MISS, HIT (ready) or PENDING (writing)."""
+        row = self.row_of.get(block_hash)
+        if row is None:
+            return _MISS
+        return _HIT if self.ready[row] else _PENDING
 
     def add_pins(self, rows: IdArray) -> None:
         """Count one more pin of each of `rows` (a row listed k times, k more)."""
@@ -338,17 +356,6 @@ class _GroupRows:
             unique, listed = np.unique(rows, return_counts=True)
             self.pins[unique] += listed.astype(np.int32)
         self.pin_total += len(rows)
-
-    def pinned(self, hashes: Sequence[bytes]) -> list[bool]:
-        """Return, per hash, whether a load pins its row (absent: False)."""
-        if not self.pin_total:
-            return [False] * len(hashes)
-        rows = np.fromiter(map(self.row_of.get, hashes, _NO_ROW), dtype=np.int64, count=len(hashes))
-        held = rows >= 0
-        flags = np.zeros(len(hashes), dtype=np.bool_)
-        flags[held] = self.pins[rows[held]] > 0
-        result: list[bool] = flags.tolist()
-        return result
 
     def protection(self, asked: dict[bytes, None]) -> Callable[[object], bool]:
         """Return the predicate a policy's `choose` skips keys by: a key of `asked` (the
@@ -363,7 +370,6 @@ class _GroupRows:
     def clear(self) -> None:
         self.freed.clear()
         self.next_fresh = self.used = 0
-        self.status.clear()
         self.row_of.clear()
         self.writing.clear()
         self.doomed.clear()
@@ -374,7 +380,55 @@ class _GroupRows:
 
 
 _NO_ROW = itertools.repeat(-1)
-_MISSES = itertools.repeat(_MISS)
+_MISS_CODE, _HIT_CODE, _PENDING_CODE = 0, 1, 2
+_STATUS_OF_CODE = {_MISS_CODE: _MISS, _HIT_CODE: _HIT, _PENDING_CODE: _PENDING}
+
+
+def _first_not_ready(rows: _GroupRows, found: IdArray) -> int:
+    """Return the index of the first of `found` (rows, -1 for an absent key) that is not a
+    ready row, or -1 when all are."""
+    held = found >= 0
+    ready = rows.ready[np.where(held, found, 0)] & held
+    return -1 if ready.all() else int(np.argmin(ready))
+
+
+class FoundRows:
+    """The rows a lookup found, by group, for the load that follows it to pin without finding
+    them again (a long prompt's pin then reads no dictionary): given to
+    `Catalog.hash_statuses` as `seen`, then to `Catalog.pin`.
+
+    They are used only while the catalog has freed no row since they were found (its
+    generation is the same), so each still holds the key it held then; a pin checks that every
+    row is ready, as always. A pin's keys of one group are matched to those of one of the
+    lookup's calls by the hash objects at their ends, when they are that call's first or last
+    ones (a prefix's load starts where its lookup did, a window's ends where it did): both are
+    slices of the request's chained hashes, in which no value repeats.
+    """
+
+    __slots__ = ("_generation", "_pieces")
+
+    def __init__(self) -> None:
+        self._generation = -1
+        self._pieces: dict[int, list[tuple[Sequence[bytes], IdArray]]] = {}
+
+    def add(self, group: int, hashes: Sequence[bytes], rows: IdArray, generation: int) -> None:
+        """Record the `rows` found for `hashes` of `group` at the catalog's `generation`."""
+        if generation != self._generation:
+            self._pieces.clear()
+            self._generation = generation
+        self._pieces.setdefault(group, []).append((hashes, rows))
+
+    def rows_of(self, group: int, hashes: Sequence[bytes], generation: int) -> IdArray | None:
+        """Return the rows found for `hashes` of `group` (the head or the tail of the hashes of
+        one lookup's call), or None."""
+        if generation != self._generation or not hashes:
+            return None
+        for found, rows in self._pieces.get(group, ()):
+            for start in (0, len(found) - len(hashes)):  # a head (a prefix), or a tail (a window)
+                stop = start + len(hashes)
+                if start >= 0 and found[start] is hashes[0] and found[stop - 1] is hashes[-1]:
+                    return rows[start:stop]
+        return None
 
 
 def _runs(keys: Sequence[OffloadKey]) -> list[tuple[int, list[bytes]]]:
@@ -444,6 +498,9 @@ class Catalog:
                 self._group(g)
         self._events: list[CatalogEvent] = []
         self._hits = self._misses = self._stores = self._failed = self._evictions = 0
+        self._generation = 0
+        """Counts the changes that free a row (evict, drop, failed store, reset): rows found
+        at one generation still hold the same keys while it lasts."""
 
     @property
     def config(self) -> CatalogConfig:
@@ -499,29 +556,32 @@ class Catalog:
 
     @locked_method
     def hash_statuses(
-        self, group: int, hashes: Sequence[bytes], *, pinned_as_pending: bool = False
+        self,
+        group: int,
+        hashes: Sequence[bytes],
+        *,
+        pinned_as_pending: bool = False,
+        seen: FoundRows | None = None,
     ) -> list[KeyStatus]:
-        """Return `statuses` of the keys of `group` whose hashes are `hashes` (no key made)."""
+        """Return `statuses` of the keys of `group` whose hashes are `hashes` (no key made);
+        the rows found are added to `seen` when given, for a `pin` of the same keys."""
         rows = self._groups.get(group)
         if rows is None:
             return [_MISS] * len(hashes)
-        found = list(map(rows.status.get, hashes, _MISSES))  # one pass in C
-        if pinned_as_pending and rows.pin_total:
-            for index, pinned in enumerate(rows.pinned(hashes)):
-                if pinned:
-                    found[index] = _PENDING
-        return found
+        found = rows.find(hashes)
+        if seen is not None:
+            seen.add(group, hashes, found, self._generation)
+        return rows.statuses_of(found, pinned_as_pending=pinned_as_pending)
 
     @locked_method
     def entry(self, key: OffloadKey) -> CatalogEntry | None:
         """Return what the catalog holds for `key`, or None when the key is absent."""
         rows = self._groups.get(key.group)
-        status = None if rows is None else rows.status.get(key.block_hash)
-        if rows is None or status is None:
+        row = None if rows is None else rows.row_of.get(key.block_hash)
+        if rows is None or row is None:
             return None
-        row = rows.row_of[key.block_hash]
         return CatalogEntry(
-            state=KeyState.READY if status is _HIT else KeyState.WRITING,
+            state=KeyState.READY if rows.ready[row] else KeyState.WRITING,
             row=row,
             pins=int(rows.pins[row]),
         )
@@ -531,7 +591,7 @@ class Catalog:
         """Return every present key's entry (a copy; for checks and debugging, not hot paths)."""
         entries = {}
         for group, rows in sorted(self._groups.items()):
-            for block_hash in rows.status:
+            for block_hash in rows.row_of:
                 key = OffloadKey(group, block_hash)
                 entry = self.entry(key)
                 if entry is not None:
@@ -560,14 +620,17 @@ class Catalog:
             capacity_rows=self._config.capacity_rows,
         )
 
-    def view(self, *, pinned_as_pending: bool = False) -> CatalogView:
+    def view(
+        self, *, pinned_as_pending: bool = False, seen: FoundRows | None = None
+    ) -> CatalogView:
         """Return a read-only view of this catalog for the planner.
 
         With `pinned_as_pending`, keys that a load is reading answer PENDING instead of HIT: a
         second request with the same prefix then retries until the first load has put the
-        blocks on the GPU, where the engine's prefix cache finds them.
+        blocks on the GPU, where the engine's prefix cache finds them. With `seen`, the rows
+        its answers by hash find are kept there (`FoundRows`).
         """
-        return CatalogView(self, pinned_as_pending=pinned_as_pending)
+        return CatalogView(self, pinned_as_pending=pinned_as_pending, seen=seen)
 
     # -- stores --------------------------------------------------------------------------------
 
@@ -591,7 +654,7 @@ class Catalog:
             if rows is None or len(new.get(group, ())) == len(hashes):
                 continue
             writing = rows.writing
-            found = [h for h in hashes if h in rows.status and h not in writing]
+            found = [h for h in hashes if h in rows.row_of and h not in writing]
             ready[group] = (found, rows.rows(found))
         return ready
 
@@ -606,7 +669,7 @@ class Catalog:
             absent = (
                 list(hashes)
                 if rows is None
-                else list(itertools.filterfalse(rows.status.__contains__, hashes))
+                else list(itertools.filterfalse(rows.row_of.__contains__, hashes))
             )
             if absent:
                 new[group] = absent
@@ -724,7 +787,6 @@ class Catalog:
                 else itertools.repeat(0)
             )
             rows.row_of.update(zip(hashes, taken, strict=True))
-            rows.status.update(dict.fromkeys(hashes, _PENDING))
             rows.writing.update(zip(hashes, zip(ends, itertools.repeat(request)), strict=False))
             new_keys += made
             new_rows += taken
@@ -760,7 +822,6 @@ class Catalog:
             rows, hashes = self._groups[group], list(listed_once)
             if success:
                 ends = list(map(rows.writing.pop, hashes))
-                rows.status.update(dict.fromkeys(hashes, _HIT))
                 stored = rows.rows(hashes)
                 rows.ready[stored] = True
                 # one admission per storing request, in order (a reservation has one)
@@ -777,8 +838,8 @@ class Catalog:
             else:
                 for block_hash in hashes:
                     del rows.writing[block_hash]
-                    del rows.status[block_hash]
                     rows.give_back(rows.row_of.pop(block_hash))
+                self._generation += 1
         if success:
             self._stores += done
             self._record(EventKind.STORED, [k for g, hs in asked.items() for k in _keys_of(g, hs)])
@@ -788,18 +849,28 @@ class Catalog:
     # -- loads ---------------------------------------------------------------------------------
 
     @locked_method
-    def pin(self, keys: Sequence[OffloadKey], *, request: str | None = None) -> IdArray:
+    def pin(
+        self,
+        keys: Sequence[OffloadKey],
+        *,
+        request: str | None = None,
+        seen: FoundRows | None = None,
+    ) -> IdArray:
         """Pin ready `keys` for a load by `request`; return their rows in the same order.
 
-        A key pinned k times is unpinned k times before it can be evicted. Raise
-        PlanInvariantError, changing nothing, when a key is not ready.
+        `seen`, the rows a lookup of these keys found (`hash_statuses`), saves finding them
+        again when still valid. A key pinned k times is unpinned k times before it can be
+        evicted. Raise PlanInvariantError, changing nothing, when a key is not ready.
         """
         runs = _runs(keys)
         answer: list[IdArray] = []
         for group, hashes in runs:
             rows = self._groups.get(group)
-            found, not_ready = (None, 0) if rows is None else rows.ready_rows(hashes)
-            if found is None or not_ready >= 0:
+            found = None if seen is None else seen.rows_of(group, hashes, self._generation)
+            if rows is not None and found is None:
+                found = rows.find(hashes)
+            not_ready = 0 if rows is None or found is None else _first_not_ready(rows, found)
+            if rows is None or found is None or not_ready >= 0:
                 key = OffloadKey(group, hashes[not_ready])
                 raise PlanInvariantError(
                     request=request,
@@ -814,9 +885,11 @@ class Catalog:
         self._hits += len(keys)
         used: dict[int, tuple[Sequence[bytes], IdArray]] = {}
         for (group, hashes), found in zip(runs, answer, strict=True):
-            seen, seen_rows = used.get(group, _NONE_USED)  # a group in two runs: one touch
+            before, before_rows = used.get(group, _NONE_USED)  # a group in two runs: one touch
             used[group] = (
-                ([*seen, *hashes], np.concatenate([seen_rows, found])) if seen else (hashes, found)
+                ([*before, *hashes], np.concatenate([before_rows, found]))
+                if before
+                else (hashes, found)
             )
         self._touch(used, request)
         return frozen_ids(np.concatenate(answer) if answer else np.zeros(0, dtype=np.int64))
@@ -869,18 +942,18 @@ class Catalog:
             rows = self._groups.get(group)
             if rows is None:
                 continue
-            ready = [h for h in dict.fromkeys(hashes) if rows.status.get(h) is _HIT]
+            ready = [h for h in dict.fromkeys(hashes) if rows.status(h) is _HIT]
             rows.doomed.update(h for h in ready if rows.is_pinned(h))
             self._drop(group, rows, [h for h in ready if not rows.is_pinned(h)])
 
     def _drop(self, group: int, rows: _GroupRows, hashes: list[bytes]) -> None:
         for block_hash in hashes:
             rows.doomed.discard(block_hash)
-            del rows.status[block_hash]
             row = rows.row_of.pop(block_hash)
             rows.give_back(row)
             rows.policy.remove(block_hash, row=row)
         if hashes:
+            self._generation += 1
             self._record(EventKind.REMOVED, _keys_of(group, hashes))
 
     # -- events and reset ----------------------------------------------------------------------
@@ -898,22 +971,23 @@ class Catalog:
         ready = [
             OffloadKey(group, block_hash)
             for group, rows in self._groups.items()
-            for block_hash, status in rows.status.items()
-            if status is _HIT
+            for block_hash, row in rows.row_of.items()
+            if rows.ready[row]
         ]
         if ready:
             self._record(EventKind.REMOVED, ready)
         for rows in self._groups.values():
             rows.clear()
+        self._generation += 1
 
     # -- private -------------------------------------------------------------------------------
 
     def _evict(self, rows: _GroupRows, block_hash: bytes) -> None:
-        del rows.status[block_hash]
         row = rows.row_of.pop(block_hash)
         rows.give_back(row)
         rows.policy.remove(block_hash, row=row)
         self._evictions += 1
+        self._generation += 1
 
     def _record(self, kind: EventKind, keys: Sequence[OffloadKey]) -> None:
         if not self._config.record_events:
@@ -923,8 +997,8 @@ class Catalog:
 
     def _describe(self, key: OffloadKey) -> str:
         rows = self._groups.get(key.group)
-        status = None if rows is None else rows.status.get(key.block_hash)
-        if rows is None or status is None:
+        status = _MISS if rows is None else rows.status(key.block_hash)
+        if rows is None or status is _MISS:
             return "absent"
         if status is _PENDING:
             return "writing"
@@ -955,9 +1029,12 @@ class _NoRoomError(Exception):
 class CatalogView:
     """A read-only view of a Catalog for the planner (`StoreTierView`)."""
 
-    def __init__(self, catalog: Catalog, *, pinned_as_pending: bool = False) -> None:
+    def __init__(
+        self, catalog: Catalog, *, pinned_as_pending: bool = False, seen: FoundRows | None = None
+    ) -> None:
         self._catalog = catalog
         self._pinned_as_pending = pinned_as_pending
+        self._seen = seen
 
     def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
         """Return the catalog's statuses; with `pinned_as_pending`, PENDING for pinned keys."""
@@ -965,7 +1042,9 @@ class CatalogView:
 
     def hash_statuses(self, group: int, hashes: Sequence[bytes]) -> list[KeyStatus]:
         """Return the catalog's `hash_statuses` (PENDING for pinned keys, as `statuses`)."""
-        return self._catalog.hash_statuses(group, hashes, pinned_as_pending=self._pinned_as_pending)
+        return self._catalog.hash_statuses(
+            group, hashes, pinned_as_pending=self._pinned_as_pending, seen=self._seen
+        )
 
     def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
         """Return the catalog's `can_reserve(keys)`."""
