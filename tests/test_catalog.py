@@ -12,6 +12,7 @@ from kvferry.core.catalog import (
     CatalogEntry,
     CatalogEvent,
     EventKind,
+    FoundRows,
     KeyState,
     rows_for_budget,
 )
@@ -520,3 +521,45 @@ def test_a_key_listed_twice_in_one_pin_needs_two_unpins() -> None:
     assert catalog.is_pinned(key)
     catalog.unpin([key])
     assert not catalog.is_pinned(key)
+
+
+# -- rows a lookup found ----------------------------------------------------------------------
+
+
+def looked_up(cat: Catalog, keys: list[OffloadKey]) -> FoundRows:
+    """Ask a view of `cat` for the statuses of `keys` (one group) by hash, keeping the rows."""
+    seen = FoundRows()
+    cat.view(seen=seen).hash_statuses(keys[0].group, [key.block_hash for key in keys])
+    return seen
+
+
+def test_a_pin_given_its_lookups_rows_answers_each_keys_row() -> None:
+    keys = [k(i) for i in range(6)]
+    cat = stored(8, keys)
+    seen = looked_up(cat, keys)
+    rows = cat.pin(keys[:4], seen=seen)  # the head of what the lookup read
+    assert rows.tolist() == [cat_row(cat, key) for key in keys[:4]]
+    assert cat.pin(keys[3:], seen=seen).tolist() == [cat_row(cat, key) for key in keys[3:]]
+
+
+def test_a_pin_finds_rows_again_once_a_row_was_freed_after_the_lookup() -> None:
+    a, b, c = k(1), k(2), k(3)
+    cat = stored(2, [a, b])
+    seen = looked_up(cat, [a])
+    before = cat_row(cat, a)
+    store_all(cat, [c])  # evicts a (least recent): c takes a's row
+    store_all(cat, [a])  # evicts b: a comes back in b's row
+    assert cat_row(cat, c) == before
+    assert cat.pin([a], seen=seen).tolist() == [cat_row(cat, a)] != [before]
+
+
+def cat_row(cat: Catalog, key: OffloadKey) -> int:
+    entry = cat.entry(key)
+    assert entry is not None
+    return entry.row
+
+
+def store_all(cat: Catalog, keys: list[OffloadKey]) -> None:
+    reservation = cat.reserve(keys)
+    assert reservation is not None
+    cat.complete_store(list(reservation.keys), success=True)

@@ -339,7 +339,5 @@ def test_lru_chooses_exactly_what_an_ordered_dictionary_would(
                 del reference.order[k(row)]
         else:
             shielded = {k(row) for row in rows}
-            assert policy.choose(count, shielded.__contains__) == reference.choose(
-                count, shielded
-            )
+            assert policy.choose(count, shielded.__contains__) == reference.choose(count, shielded)
         assert len(policy) == len(reference.order)
