@@ -708,8 +708,11 @@ class Catalog:
         """Tell each group's policy of its keys used now, given with their rows (and every
         policy of `request`'s activity)."""
         for g, rows in self._groups.items():
-            hashes, found = used.get(g, _NONE_USED)
-            rows.policy.touch(hashes, rows=found, request=request)
+            if g in used:
+                hashes, found = used[g]
+                rows.policy.touch(hashes, rows=found, request=request)
+            elif request is not None and rows.policy.follows_requests:
+                rows.policy.touch((), rows=_NO_ROWS, request=request)
 
     @locked_method
     def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
@@ -774,21 +777,27 @@ class Catalog:
             evicted += _keys_of(group, hashes)
         if evicted:
             self._record(EventKind.REMOVED, evicted)
-        position_of = {} if positions is None else dict(zip(keys, positions, strict=True))
-        new_keys: list[OffloadKey] = []
+        every_key_new = in_order and sum(map(len, new.values())) == len(keys)
+        position_of = (
+            {} if positions is None or every_key_new else dict(zip(keys, positions, strict=True))
+        )
+        new_keys: list[OffloadKey] = list(keys) if every_key_new else []
         new_rows: list[int] = []
         for group, hashes in new.items():
             rows = self._group(group)
             taken = rows.take(len(hashes))
-            made = _keys_of(group, hashes)
-            ends = (
-                map(position_of.get, made, itertools.repeat(0))
-                if position_of
-                else itertools.repeat(0)
-            )
+            if every_key_new:  # the keys as given, each group's a run in turn
+                ends: Iterable[int] = (
+                    itertools.repeat(0)
+                    if positions is None
+                    else positions[len(new_rows) : len(new_rows) + len(hashes)]
+                )
+            else:
+                made = _keys_of(group, hashes)
+                new_keys += made
+                ends = map(position_of.get, made, itertools.repeat(0))
             rows.row_of.update(zip(hashes, taken, strict=True))
             rows.writing.update(zip(hashes, zip(ends, itertools.repeat(request)), strict=False))
-            new_keys += made
             new_rows += taken
         self._misses += len(new_keys)
         if not in_order:  # the answer lists the keys in the order asked
@@ -1019,7 +1028,8 @@ def _storing_request(entry: tuple[int, str | None]) -> str | None:
     return entry[1]
 
 
-_NONE_USED: tuple[Sequence[bytes], IdArray] = ((), np.zeros(0, dtype=np.int64))
+_NO_ROWS: IdArray = np.zeros(0, dtype=np.int64)
+_NONE_USED: tuple[Sequence[bytes], IdArray] = ((), _NO_ROWS)
 
 
 class _NoRoomError(Exception):

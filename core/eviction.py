@@ -54,6 +54,10 @@ class EvictionPolicy(Protocol):
     to pick victims. `choose` changes nothing, so a reservation can stay all-or-nothing.
     """
 
+    follows_requests: bool
+    """Whether the policy orders keys by their requests' activity: it must then hear of a
+    request's activity even in a call that uses none of its keys."""
+
     def admit(self, key: PolicyKey, *, row: int, position: int, request: str | None) -> None:
         """Record that `key` (in `row`, ending at token `position`, stored for `request`)
         became ready."""
@@ -137,6 +141,7 @@ class LruPolicy:
     than every row still in the queue, so the queue's valid rows are the oldest of all.
     """
 
+    follows_requests = False
     QUEUE_ROWS = 4096
     """The fewest oldest rows a queue takes (more when a call asks for more victims)."""
 
@@ -179,6 +184,8 @@ class LruPolicy:
         request: str | None,
     ) -> None:
         """Make each held key of `keys` (in `rows`) the most recently used, in order."""
+        if not len(rows):
+            return
         at = np.asarray(rows, dtype=np.int64)
         self._stamp(at[self._recency[at] > 0])
 
@@ -238,6 +245,8 @@ class ArcPolicy:
     chosen one has no unprotected key). ARC's tie rule for a request found in B2 is left out:
     the key being stored is not known when victims are chosen.
     """
+
+    follows_requests = False
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
@@ -356,6 +365,8 @@ class TailFirstPolicy:
     tail goes before its head (a prefix is useful only from its start). A request storing its
     prompt chunk by chunk keeps its head as recent as its tail.
     """
+
+    follows_requests = True
 
     def __init__(self, capacity: int) -> None:
         self._owners: OrderedDict[str | None, list[tuple[int, int]]] = OrderedDict()
