@@ -771,12 +771,13 @@ def _index_of(hashes: Sequence[bytes], block_hash: bytes) -> int:
     )
 
 
+_NULL_BLOCK_ID = 0
+"""The id of vLLM's shared null block."""
+
+
 def _group_blocks(ids: Sequence[int]) -> GroupBlocks:
-    """Return one group's GroupBlocks of vLLM's current table: id 0 is vLLM's null block."""
-    column = np.fromiter(ids, dtype=np.int64, count=len(ids))
-    return GroupBlocks(
-        ids=column, is_null=column == 0, is_cached=np.zeros(len(column), dtype=np.bool_)
-    )
+    """Return one group's GroupBlocks of vLLM's current table."""
+    return GroupBlocks.of_engine_table(ids, null_id=_NULL_BLOCK_ID)
 
 
 class _BlockTable:
