@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
 import attrs
+import numpy as np
 
 from kvferry.core.arrays import IdArray
 from kvferry.core.blocks import GroupBlocks
@@ -149,7 +150,7 @@ class _Job:
 class _Request:
     """What the session keeps of one request (mutable bookkeeping, private)."""
 
-    state: RequestState
+    _state: RequestState
     num_hashes: int = 0
     """How many block hashes `state` was keyed from (unchanged: no new key to derive)."""
     keyed_from: tuple[RequestState, int, bytes] | None = None
@@ -158,12 +159,25 @@ class _Request:
     jobs: set[int] = attrs.field(factory=set)
     fence: set[int] | None = None
     finished: bool = False
-    due_at: tuple[RequestState, int] | None = None
-    """For the state it was read from: the fewest stored tokens at which a store is due (some
-    group completes a chunk past its store cursor)."""
+    store_at: int = -1
+    """The fewest stored tokens at which a store is due for `state` (some group completes a
+    chunk past its store cursor); -1 until `store_candidates` reads it for this state."""
+
+    @property
+    def state(self) -> RequestState:
+        """Return the request's planning state."""
+        return self._state
+
+    @state.setter
+    def state(self, state: RequestState) -> None:
+        self._state = state
+        self.store_at = -1
 
 
 _T = TypeVar("_T")
+
+_NEVER = np.iinfo(np.int64).max
+"""A token count no request reaches."""
 
 
 def _next_chunk_end(cursor: int, chunk_tokens: int) -> int:
@@ -432,29 +446,33 @@ class OffloadSession:
 
         For any other request `start_stores` plans nothing and changes nothing that a later
         step does not redo, so an engine may leave it out, and build only the inputs of the
-        few requests due at a decode step. Each known request's threshold is kept with the
-        state it was read from; the call is one comparison per request.
+        few requests due at a decode step. Each known request's threshold is kept until its
+        state changes; the thresholds are compared with the token counts in one numpy pass.
         """
-        chunks = self._config.all_chunk_tokens
-        prompt_only = not self._config.store_decoded_tokens
-        get = self._requests.get
-        picked = []
-        for index, rid in enumerate(request_ids):
-            request = get(rid)
-            if request is None or request.finished:
-                picked.append(index)
-                continue
-            state = request.state
-            due_at = request.due_at
-            if due_at is None or due_at[0] is not state:
-                at = min(map(_next_chunk_end, state.store_cursor, chunks))
-                due_at = request.due_at = (state, at)
-            done = min(num_computed_tokens[index] + num_scheduled_tokens[index], num_tokens[index])
-            if prompt_only:
-                done = min(done, state.num_prompt_tokens)
-            if done >= due_at[1]:
-                picked.append(index)
+        requests = list(map(self._requests.get, request_ids))
+        store_at = [
+            0
+            if request is None or request.finished
+            else request.store_at
+            if request.store_at >= 0
+            else self._store_at(request)
+            for request in requests
+        ]
+        computed = np.asarray(num_computed_tokens, dtype=np.int64)
+        scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)
+        done = np.minimum(computed + scheduled, np.asarray(num_tokens, dtype=np.int64))
+        picked: list[int] = np.flatnonzero(done >= store_at).tolist()
         return picked
+
+    def _store_at(self, request: _Request) -> int:
+        """Return (and keep until its state changes) the fewest tokens, as `done` of
+        `stored_tokens_after_step`, at which a store of `request` is due."""
+        state = request.state
+        at = min(map(_next_chunk_end, state.store_cursor, self._config.all_chunk_tokens))
+        if not self._config.store_decoded_tokens and state.num_prompt_tokens < at:
+            at = _NEVER  # `done` is capped at the prompt, which ends before that chunk
+        request.store_at = at
+        return at
 
     @locked_method
     def start_stores(self, requests: Iterable[RunningRequest]) -> StoreStep:
