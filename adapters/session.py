@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
 import attrs
+import numpy as np
 
 from kvferry.core.arrays import IdArray
 from kvferry.core.blocks import GroupBlocks
@@ -32,11 +33,12 @@ from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
 from kvferry.core.state import RequestState, check_hash_count, extend_keys, new_request_state
 from kvferry.core.store import (
+    StoreCandidates,
     StoreDecision,
     StoreOutcome,
     check_store_inputs,
     due_for_store,
-    plan_store,
+    plan_checked_store,
 )
 
 BlockTable = Callable[[], Iterable[GroupBlocks]]
@@ -155,7 +157,7 @@ class _Job:
 class _Request:
     """What the session keeps of one request (mutable bookkeeping, private)."""
 
-    state: RequestState
+    _state: RequestState
     num_hashes: int = 0
     """How many block hashes `state` was keyed from (unchanged: no new key to derive)."""
     keyed_from: tuple[RequestState, int, bytes] | None = None
@@ -164,14 +166,27 @@ class _Request:
     jobs: set[int] = attrs.field(factory=set)
     fence: set[int] | None = None
     finished: bool = False
-    due_at: tuple[RequestState, int] | None = None
-    """For the state it was read from: the fewest stored tokens at which a store is due (some
-    group completes a chunk past its store cursor)."""
     seen: FoundRows | None = None
     """The rows the last lookup with a hit found, until the load that follows pins them."""
+    store_at: int = -1
+    """The fewest stored tokens at which a store is due for `state` (some group completes a
+    chunk past its store cursor); -1 until `store_candidates` reads it for this state."""
+
+    @property
+    def state(self) -> RequestState:
+        """Return the request's planning state."""
+        return self._state
+
+    @state.setter
+    def state(self, state: RequestState) -> None:
+        self._state = state
+        self.store_at = -1
 
 
 _T = TypeVar("_T")
+
+_NEVER = np.iinfo(np.int64).max
+"""A token count no request reaches."""
 
 
 def _next_chunk_end(cursor: int, chunk_tokens: int) -> int:
@@ -447,29 +462,33 @@ class OffloadSession:
 
         For any other request `start_stores` plans nothing and changes nothing that a later
         step does not redo, so an engine may leave it out, and build only the inputs of the
-        few requests due at a decode step. Each known request's threshold is kept with the
-        state it was read from; the call is one comparison per request.
+        few requests due at a decode step. Each known request's threshold is kept until its
+        state changes; the thresholds are compared with the token counts in one numpy pass.
         """
-        chunks = self._config.all_chunk_tokens
-        prompt_only = not self._config.store_decoded_tokens
-        get = self._requests.get
-        picked = []
-        for index, rid in enumerate(request_ids):
-            request = get(rid)
-            if request is None or request.finished:
-                picked.append(index)
-                continue
-            state = request.state
-            due_at = request.due_at
-            if due_at is None or due_at[0] is not state:
-                at = min(map(_next_chunk_end, state.store_cursor, chunks))
-                due_at = request.due_at = (state, at)
-            done = min(num_computed_tokens[index] + num_scheduled_tokens[index], num_tokens[index])
-            if prompt_only:
-                done = min(done, state.num_prompt_tokens)
-            if done >= due_at[1]:
-                picked.append(index)
+        requests = list(map(self._requests.get, request_ids))
+        store_at = [
+            0
+            if request is None or request.finished
+            else request.store_at
+            if request.store_at >= 0
+            else self._store_at(request)
+            for request in requests
+        ]
+        computed = np.asarray(num_computed_tokens, dtype=np.int64)
+        scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)
+        done = np.minimum(computed + scheduled, np.asarray(num_tokens, dtype=np.int64))
+        picked: list[int] = np.flatnonzero(done >= store_at).tolist()
         return picked
+
+    def _store_at(self, request: _Request) -> int:
+        """Return (and keep until its state changes) the fewest tokens, as `done` of
+        `stored_tokens_after_step`, at which a store of `request` is due."""
+        state = request.state
+        at = min(map(_next_chunk_end, state.store_cursor, self._config.all_chunk_tokens))
+        if not self._config.store_decoded_tokens and state.num_prompt_tokens < at:
+            at = _NEVER  # `done` is capped at the prompt, which ends before that chunk
+        request.store_at = at
+        return at
 
     @locked_method
     def start_stores(self, requests: Iterable[RunningRequest]) -> StoreStep:
@@ -514,10 +533,10 @@ class OffloadSession:
                 num_tokens=[r.num_tokens for r in running_list],
             )
             due_list = due.tolist()
-            for index in due_list[1:]:  # the first is planned before anything is reserved
-                self._check_store(running_list[index], known[index])
-            for index in due_list:
-                self._store_one(running_list[index], known[index], jobs, no_room)
+            # Every due request's inputs are checked before the first row is reserved.
+            checked = [self._check_store(running_list[i], known[i]) for i in due_list]
+            for index, candidates in zip(due_list, checked, strict=True):
+                self._store_one(running_list[index], known[index], candidates, jobs, no_room)
         except BaseException:
             for job in jobs:
                 self._catalog.complete_store(self._jobs[job.job_id].keys, success=False)
@@ -534,18 +553,19 @@ class OffloadSession:
         for job_id, last in sorted(self._last_retries.items()):
             held = self._jobs[job_id]
             request = self._requests[held.request_id]
-            decision = self._decide_store(last, request)
+            decision, candidates = self._decide_store(last, request)
             if decision.plan is None:  # still no room, or nothing left: give up the last store
                 self._complete(held, released)
             else:
-                jobs.append(self._bind_store(request, decision, held))
+                jobs.append(self._bind_store(request, decision, candidates.positions, held))
                 request.state = decision.state
         self._last_retries.clear()
         return StoreStep(jobs=tuple(jobs), no_room=tuple(no_room), released=tuple(released))
 
-    def _check_store(self, running: RunningRequest, request: _Request) -> None:
-        """Raise what planning `running`'s store would raise, reserving nothing."""
-        asked = check_store_inputs(
+    def _check_store(self, running: RunningRequest, request: _Request) -> StoreCandidates:
+        """Return the candidates of `running`'s store; raise what planning it would raise,
+        reserving nothing."""
+        candidates = check_store_inputs(
             self._config,
             request.state,
             running.block_table(),
@@ -553,7 +573,8 @@ class OffloadSession:
             num_scheduled_tokens=running.num_scheduled_tokens,
             num_tokens=running.num_tokens,
         )
-        _check_distinct(running.request_id, asked)
+        _check_distinct(running.request_id, candidates.keys)
+        return candidates
 
     def _known_running(self, running: RunningRequest) -> _Request:
         """Return the session's record of a running request, created or with its keys
@@ -577,35 +598,42 @@ class OffloadSession:
         self,
         running: RunningRequest,
         request: _Request,
+        candidates: StoreCandidates,
         jobs: list[BoundPlan],
         no_room: list[str],
     ) -> None:
-        """Plan and bind the store of one running request that is due (appending to
-        `jobs`/`no_room`)."""
-        decision = self._decide_store(running, request)
+        """Plan and bind the store of one running request that is due, from its checked
+        `candidates` (appending to `jobs`/`no_room`)."""
+        decision = plan_checked_store(
+            self._config, request.state, running.block_table(), candidates, tier=self._catalog
+        )
         if decision.outcome is StoreOutcome.NO_ROOM:
             no_room.append(running.request_id)
         elif decision.plan is not None:
-            jobs.append(self._bind_store(request, decision))
+            jobs.append(self._bind_store(request, decision, candidates.positions))
         request.state = decision.state
 
-    def _decide_store(self, running: RunningRequest, request: _Request) -> StoreDecision:
-        """Return the planner's store decision for one step of `running`."""
-        return plan_store(
-            self._config,
-            request.state,
-            running.block_table(),
-            num_computed_tokens=running.num_computed_tokens,
-            num_scheduled_tokens=running.num_scheduled_tokens,
-            num_tokens=running.num_tokens,
-            tier=self._catalog,
+    def _decide_store(
+        self, running: RunningRequest, request: _Request
+    ) -> tuple[StoreDecision, StoreCandidates]:
+        """Return the planner's store decision for one step of `running`, and its candidates."""
+        candidates = self._check_store(running, request)
+        decision = plan_checked_store(
+            self._config, request.state, running.block_table(), candidates, tier=self._catalog
         )
+        return decision, candidates
 
     def _bind_store(
-        self, request: _Request, decision: StoreDecision, job: _Job | None = None
+        self,
+        request: _Request,
+        decision: StoreDecision,
+        positions: Sequence[int],
+        job: _Job | None = None,
     ) -> BoundPlan:
         """Return the store job of a decision with a plan: its rows reserved, its keys writing,
-        under a new job id or the one `job` holds for it."""
+        under a new job id or the one `job` holds for it. `positions` are the token positions
+        where the chunks of the decision's `reserve_keys` end (`StoreCandidates.positions`);
+        the keys were checked not to repeat."""
         plan = decision.plan
         if plan is None:
             raise PlanInvariantError(
@@ -615,11 +643,7 @@ class OffloadSession:
                 got=decision.outcome,
             )
         rid = plan.request_id
-        asked = decision.reserve_keys
-        _check_distinct(rid, asked)
-        reservation = self._catalog.reserve(
-            asked, positions=self._positions(request.state, asked), request=rid
-        )
+        reservation = self._catalog.reserve(decision.reserve_keys, positions=positions, request=rid)
         if reservation is not None and reservation.evicted and self._lower is not None:
             self._lower.evicting(reservation.evicted, reservation.evicted_rows)
         if reservation is None or reservation.keys != plan.keys:
@@ -743,7 +767,7 @@ class OffloadSession:
             request.state = extend_keys(self._config, request.state, last.block_hashes)
             request.num_hashes = len(last.block_hashes)
         try:
-            decision = self._decide_store(last, request)
+            decision, candidates = self._decide_store(last, request)
         except KvferryError:
             request.state, request.num_hashes = before
             raise
@@ -751,7 +775,7 @@ class OffloadSession:
             job = self._new_job(request_id, request, Direction.STORE, ())
             self._last_retries[job.job_id] = last
         elif decision.plan is not None:
-            self._last_stores.append(self._bind_store(request, decision))
+            self._last_stores.append(self._bind_store(request, decision, candidates.positions))
         request.state = decision.state
 
     @locked_method
@@ -929,25 +953,3 @@ class OffloadSession:
         if request.finished and not request.jobs:
             del self._requests[job.request_id]
         return None if success else job.recompute
-
-    def _positions(self, state: RequestState, keys: Sequence[OffloadKey]) -> list[int]:
-        """Return the token position where each key's chunk ends; `keys` are a group-ordered,
-        chunk-ordered selection of the request's keys from the store cursors on."""
-        positions = []
-        group, chunk = -1, 0
-        for key in keys:
-            if key.group != group:
-                group, chunk = key.group, state.store_cursor[key.group]
-            group_keys = state.keys[group]
-            while chunk < len(group_keys) and group_keys[chunk] != key:
-                chunk += 1
-            if chunk == len(group_keys):
-                raise PlanInvariantError(
-                    request=state.request_id,
-                    group=group,
-                    field="keys",
-                    expected="store keys in chunk order from the store cursor",
-                    got=str(key),
-                )
-            positions.append((chunk + 1) * self._config.chunk_tokens(group))
-        return positions

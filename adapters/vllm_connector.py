@@ -509,6 +509,10 @@ class _SchedulerSide:
         those stores: vLLM frees such a block while its request runs, once the window has
         passed it, and may hand it out again before the store has read it."""
         self._chunks: dict[OffloadKey, _Chunk] = {}
+        self._windowed = tuple(
+            spec.kind is not GroupKind.FULL_ATTENTION for spec in shape.config.groups
+        )
+        """Per kvferry group: True when vLLM frees its blocks while the request runs."""
         self._counted = shape_counters(self._session)
 
     @property
@@ -685,11 +689,12 @@ class _SchedulerSide:
     def _fence(self, store: BoundPlan) -> None:
         """Remember the blocks of `store` that vLLM may free before the request ends."""
         plan = store.plan
+        fenced = self._fenced
         start = 0
-        for index, size in enumerate(plan.group_sizes):
-            if self._shape.config.groups[index].kind is not GroupKind.FULL_ATTENTION:
-                for block in plan.gpu_block_ids[start : start + size]:
-                    self._fenced.setdefault(int(block), set()).add(store.job_id)
+        for windowed, size in zip(self._windowed, plan.group_sizes, strict=True):
+            if windowed and size:
+                for block in plan.gpu_block_ids[start : start + size].tolist():
+                    fenced.setdefault(block, set()).add(store.job_id)
             start += size
 
     def _unfence(self, jobs: set[int]) -> None:
@@ -714,12 +719,13 @@ class _SchedulerSide:
     def _remember_chunks(self, job: BoundPlan) -> None:
         request = self._requests[job.plan.request_id]
         hashes = request.block_hashes
-        size = self._shape.config.hash_block_size
+        config = self._shape.config
+        size = config.hash_block_size
         tokens = request.all_token_ids
         for key in job.plan.keys:
             if key in self._chunks:
                 continue
-            per_chunk = self._shape.config.hashes_per_chunk(key.group)
+            per_chunk = config.hashes_per_chunk(key.group)
             last = _index_of(hashes, key.block_hash)
             first = last + 1 - per_chunk
             self._chunks[key] = _Chunk(
@@ -770,12 +776,13 @@ def _index_of(hashes: Sequence[bytes], block_hash: bytes) -> int:
     )
 
 
+_NULL_BLOCK_ID = 0
+"""The id of vLLM's shared null block."""
+
+
 def _group_blocks(ids: Sequence[int]) -> GroupBlocks:
-    """Return one group's GroupBlocks of vLLM's current table: id 0 is vLLM's null block."""
-    column = np.fromiter(ids, dtype=np.int64, count=len(ids))
-    return GroupBlocks(
-        ids=column, is_null=column == 0, is_cached=np.zeros(len(column), dtype=np.bool_)
-    )
+    """Return one group's GroupBlocks of vLLM's current table."""
+    return GroupBlocks.of_engine_table(ids, null_id=_NULL_BLOCK_ID)
 
 
 class _BlockTable:

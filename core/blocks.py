@@ -20,6 +20,7 @@ from kvferry.core.arrays import (
     integral_ids,
     is_integral,
 )
+from kvferry.core.checks import unchecked_maker
 from kvferry.core.errors import InvalidInputError
 
 _eq_arrays = attrs.cmp_using(eq=arrays_equal)
@@ -95,5 +96,31 @@ class GroupBlocks:
                 flags[index] = True
         return cls(ids=ids, is_null=is_null, is_cached=is_cached)
 
+    @classmethod
+    def of_engine_table(cls, ids: Sequence[int], *, null_id: int) -> GroupBlocks:
+        """Return the blocks of one group of an engine's block table, given as the engine's
+        own list of block ids (each >= 0) with `null_id` where it put its shared null block;
+        none is cached.
+
+        For the engine adapters' hot path: the ids are read into one array and not checked
+        again (an executor checks every block id of a plan against its KV tensors before it
+        copies a byte).
+        """
+        column = np.fromiter(ids, dtype=np.int64, count=len(ids))
+        is_null = column == null_id
+        column.setflags(write=False)
+        is_null.setflags(write=False)
+        return _new_blocks(ids=column, is_null=is_null, is_cached=_no_flags(len(column)))
+
     def __len__(self) -> int:
         return len(self.ids)
+
+
+_new_blocks = unchecked_maker(GroupBlocks)
+
+
+def _no_flags(count: int) -> FlagArray:
+    """Return `count` False flags, read-only."""
+    flags = np.zeros(count, dtype=np.bool_)
+    flags.setflags(write=False)
+    return flags

@@ -297,12 +297,29 @@ def _checked_done(
     )
 
 
+@attrs.frozen(kw_only=True)
+class StoreCandidates:
+    """A store's checked inputs, before the tier is asked: what `check_store_inputs` returns
+    and `plan_checked_store` plans from (the tier is never read to find them)."""
+
+    per_group: tuple[tuple[int, Sequence[int]], ...]
+    """Per group with any, the group and its candidate chunks (ascending)."""
+    keys: tuple[OffloadKey, ...]
+    """The candidates' keys, group by group, chunk by chunk: the keys the tier is asked about."""
+    positions: tuple[int, ...]
+    """Per key of `keys`, the token position where its chunk ends."""
+    next_cursor: tuple[int, ...]
+    """Every group's store cursor once the step is planned."""
+
+
+_new_candidates = unchecked_maker(StoreCandidates)
+
+
 def _candidates(
     config: OffloadConfig, state: RequestState, blocks: Sequence[GroupBlocks], done: int
-) -> tuple[list[tuple[int, Sequence[int]]], list[OffloadKey], list[int]]:
-    """Return a store's candidates once `done` tokens exist: per group with any, its candidate
-    chunks; their keys, group by group; and every group's next store cursor. Raise
-    InvalidInputError when a group's blocks do not reach its last complete chunk."""
+) -> StoreCandidates:
+    """Return a store's candidates once `done` tokens exist. Raise InvalidInputError when a
+    group's blocks do not reach its last complete chunk."""
     request = state.request_id
     f = config.blocks_per_chunk
     cursors = state.store_cursor
@@ -310,6 +327,7 @@ def _candidates(
     ends = list(cursors)
     per_group: list[tuple[int, Sequence[int]]] = []  # (group, its candidate chunks)
     candidates: list[OffloadKey] = []
+    positions: list[int] = []
     for g, chunk in enumerate(config.all_chunk_tokens):
         cursor = cursors[g]
         end = min(done // chunk, len(chains[g]))
@@ -322,10 +340,18 @@ def _candidates(
         if chunks:
             per_group.append((g, chunks))
             chain = chains[g]
-            candidates += (
-                chain[cursor:end] if isinstance(chunks, range) else [chain[j] for j in chunks]
-            )
-    return per_group, candidates, ends
+            if isinstance(chunks, range):
+                candidates += chain[cursor:end]
+                positions += range((cursor + 1) * chunk, (end + 1) * chunk, chunk)
+            else:
+                candidates += [chain[j] for j in chunks]
+                positions += [(j + 1) * chunk for j in chunks]
+    return _new_candidates(
+        per_group=tuple(per_group),
+        keys=tuple(candidates),
+        positions=tuple(positions),
+        next_cursor=tuple(ends),
+    )
 
 
 def check_store_inputs(
@@ -336,10 +362,11 @@ def check_store_inputs(
     num_computed_tokens: int,
     num_scheduled_tokens: int,
     num_tokens: int,
-) -> list[OffloadKey]:
+) -> StoreCandidates:
     """Raise what `plan_store` raises for these inputs, whatever the tier would answer (a
     caller planning many requests checks them all before it reserves a row); otherwise return
-    the keys it would ask the tier about (the caller checks they do not repeat)."""
+    the store's candidates, for `plan_checked_store` (the caller checks their keys do not
+    repeat)."""
     done = _checked_done(
         config,
         state,
@@ -348,7 +375,7 @@ def check_store_inputs(
         num_scheduled_tokens=num_scheduled_tokens,
         num_tokens=num_tokens,
     )
-    return _candidates(config, state, blocks, done)[1]
+    return _candidates(config, state, blocks, done)
 
 
 def plan_store(
@@ -371,7 +398,7 @@ def plan_store(
     candidates; keys the tier has are skipped. If the rest do not fit, the outcome is NO_ROOM
     and the cursors stay; otherwise they move to `done // C_g`.
     """
-    done = _checked_done(
+    candidates = check_store_inputs(
         config,
         state,
         blocks,
@@ -379,35 +406,49 @@ def plan_store(
         num_scheduled_tokens=num_scheduled_tokens,
         num_tokens=num_tokens,
     )
+    return plan_checked_store(config, state, blocks, candidates, tier=tier)
+
+
+def plan_checked_store(
+    config: OffloadConfig,
+    state: RequestState,
+    blocks: Sequence[GroupBlocks],
+    candidates: StoreCandidates,
+    *,
+    tier: StoreTierView,
+) -> StoreDecision:
+    """Return `plan_store`'s decision from the `candidates` that `check_store_inputs` returned
+    for the same state and blocks (the inputs are not checked again)."""
     request = state.request_id
     cursors = state.store_cursor
     chains = state.keys
     f = config.blocks_per_chunk
-    per_group, candidates, ends = _candidates(config, state, blocks, done)
-    next_cursor = tuple(ends)
+    per_group = candidates.per_group
+    asked = candidates.keys
+    next_cursor = candidates.next_cursor
     if next_cursor == cursors:  # not due (`store_due` is False)
         return _new_decision(outcome=StoreOutcome.NOTHING, plan=None, state=state, reserve_keys=())
     # The cursors stay within the key lists (`end` is capped by them): no check needed.
     moved = _with_changes(state, store_cursor=next_cursor)
-    statuses = tier.statuses(candidates)
-    if len(statuses) != len(candidates):
+    statuses = tier.statuses(asked)
+    if len(statuses) != len(asked):
         raise InvalidInputError(
             request=request,
             field="statuses",
-            expected=f"one status per key from the tier ({len(candidates)})",
+            expected=f"one status per key from the tier ({len(asked)})",
             got=len(statuses),
         )
     num_missing = statuses.count(_MISS)
     if not num_missing:
         return _new_decision(outcome=StoreOutcome.NOTHING, plan=None, state=moved, reserve_keys=())
-    if not tier.can_reserve(candidates):
+    if not tier.can_reserve(asked):
         return _new_decision(outcome=StoreOutcome.NO_ROOM, plan=None, state=state, reserve_keys=())
 
-    keys: Sequence[OffloadKey] = candidates
-    new_per_group = per_group
-    if num_missing != len(candidates):  # some candidates are in the tier already: skip them
-        missing = {key for key, status in zip(candidates, statuses, strict=True) if status == _MISS}
-        keys = [key for key in candidates if key in missing]
+    keys: Sequence[OffloadKey] = asked
+    new_per_group: Sequence[tuple[int, Sequence[int]]] = per_group
+    if num_missing != len(asked):  # some candidates are in the tier already: skip them
+        missing = {key for key, status in zip(asked, statuses, strict=True) if status == _MISS}
+        keys = [key for key in asked if key in missing]
         new_per_group = [
             (g, [j for j in chunks if chains[g][j] in missing]) for g, chunks in per_group
         ]
@@ -422,6 +463,4 @@ def plan_store(
         group_sizes=sizes,
         block_indices=firsts,
     )
-    return _new_decision(
-        outcome=StoreOutcome.STORE, plan=plan, state=moved, reserve_keys=tuple(candidates)
-    )
+    return _new_decision(outcome=StoreOutcome.STORE, plan=plan, state=moved, reserve_keys=asked)

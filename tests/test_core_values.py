@@ -98,6 +98,13 @@ def test_group_blocks_arrays_are_read_only_copies() -> None:
         blocks.ids[0] = 5
 
 
+def test_group_blocks_of_an_engine_table_equal_the_checked_blocks() -> None:
+    blocks = GroupBlocks.of_engine_table([4, 0, 7, 0], null_id=0)
+    assert blocks == GroupBlocks.of([4, 0, 7, 0], null=[1, 3])
+    with pytest.raises(ValueError, match="read-only"):
+        blocks.is_null[0] = True
+
+
 def test_group_blocks_readable_form_round_trips() -> None:
     entries = [None, None, "c5", 6, 7]
     assert blocks_to_list(blocks_from_list(entries)) == entries

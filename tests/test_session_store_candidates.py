@@ -107,3 +107,11 @@ def test_a_block_table_given_as_a_function_is_read_only_when_a_store_is_due() ->
     for step in range(6):
         session.start_stores([table(step)])
     assert reads == [0, 4]  # the prompt's chunks, then the chunk that ends at token 12
+
+
+def test_a_step_without_running_requests_has_no_candidates() -> None:
+    session = OffloadSession(_config(1, True), Catalog(CatalogConfig(capacity_rows=64)))
+    assert (
+        session.store_candidates([], num_computed_tokens=[], num_scheduled_tokens=[], num_tokens=[])
+        == []
+    )
