@@ -96,6 +96,8 @@ SCALE_TOKENS_QUICK = (1024, 2048, 16_384)
 SCALE_GROUPS = (1, 2, 3, 6)
 SCALE_RUNNING = (16, 256, 1024)
 SCALE_RUNNING_QUICK = (16, 32)
+SCALE_REPEAT = 7
+"""Samples per cell of the scaling table (the median is kept)."""
 
 Sample = Callable[[], float]
 """One timed sample of a row: runs its untimed set-up, then returns the timed part's CPU ms."""
@@ -941,7 +943,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["scaling"] = scaling(
         SCALE_TOKENS_QUICK if args.quick else SCALE_TOKENS,
         SCALE_RUNNING_QUICK if args.quick else SCALE_RUNNING,
-        1 if args.quick else 3,
+        1 if args.quick else SCALE_REPEAT,
         2 * rounds,
     )
     _print_rows(f"{long_tokens}-token request", LONG_ROWS, results["long"])

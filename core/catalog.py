@@ -339,12 +339,15 @@ class _GroupRows:
             codes[ready & (self.pins[at] > 0)] = _PENDING_CODE
         return list(map(_STATUS_OF_CODE.__getitem__, codes.tolist()))
 
-    def status(self, block_hash: bytes) -> KeyStatus:
-        """Return the status of one key: MISS, HIT (ready) or PENDING (writing)."""
+    def status(self, block_hash: bytes, *, pinned_as_pending: bool = False) -> KeyStatus:
+        """Return the status of one key: MISS, HIT (ready) or PENDING (writing; with
+        `pinned_as_pending`, also ready and pinned)."""
         row = self.row_of.get(block_hash)
         if row is None:
             return _MISS
-        return _HIT if self.ready[row] else _PENDING
+        if not self.ready[row] or (pinned_as_pending and self.pin_total and self.pins[row]):
+            return _PENDING
+        return _HIT
 
     def add_pins(self, rows: IdArray) -> None:
         """Count one more pin of each of `rows` (a row listed k times, k more)."""
@@ -381,6 +384,8 @@ class _GroupRows:
 
 _NO_ROW = itertools.repeat(-1)
 _MISS_CODE, _HIT_CODE, _PENDING_CODE = 0, 1, 2
+_FEW = 16
+"""Up to this many keys, statuses are read key by key: arrays cost more than they save."""
 _STATUS_OF_CODE = {_MISS_CODE: _MISS, _HIT_CODE: _HIT, _PENDING_CODE: _PENDING}
 
 
@@ -568,6 +573,8 @@ class Catalog:
         rows = self._groups.get(group)
         if rows is None:
             return [_MISS] * len(hashes)
+        if len(hashes) <= _FEW and seen is None:  # a store's few keys: no array worth making
+            return [rows.status(h, pinned_as_pending=pinned_as_pending) for h in hashes]
         found = rows.find(hashes)
         if seen is not None:
             seen.add(group, hashes, found, self._generation)
