@@ -16,6 +16,7 @@ from kvferry.core.catalog import (
     CatalogEvent,
     CatalogView,
     EventKind,
+    FoundRows,
     KeyState,
     Reservation,
     rows_for_budget,
@@ -32,7 +33,7 @@ from kvferry.core.errors import (
 )
 from kvferry.core.eviction import EvictionPolicy, EvictionPolicyKind, make_policy
 from kvferry.core.expand import CopyList, PageCopies, copy_list, expand_pages
-from kvferry.core.keys import KeyChain, KeyStatus, KeyStatusView, OffloadKey
+from kvferry.core.keys import HashStatusView, KeyChain, KeyStatus, KeyStatusView, OffloadKey
 from kvferry.core.kinds import KIND_RULES, KindRule
 from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, describe_tensor
 from kvferry.core.load import plan_load
@@ -65,10 +66,12 @@ __all__ = [
     "EvictionPolicy",
     "EvictionPolicyKind",
     "ExecutorUnavailableError",
+    "FoundRows",
     "GroupBlocks",
     "GroupKind",
     "GroupLayout",
     "GroupSpec",
+    "HashStatusView",
     "InvalidInputError",
     "JobResult",
     "KVLayout",
