@@ -59,7 +59,7 @@ def _joined_width(width: int, other: int) -> int:
     return width if width == other else -1
 
 
-def hash_width(hashes: list[bytes]) -> int:
+def hash_width(hashes: Sequence[bytes]) -> int:
     """Return the length every hash of `hashes` has: 0 for none, -1 when they differ."""
     if not hashes:
         return 0
@@ -447,6 +447,9 @@ class HashStatusView(KeyStatusView, Protocol):
     planner asks it for a request's keys straight from the request's hash column, making no
     `OffloadKey` (a long prompt's lookup reads thousands)."""
 
-    def hash_statuses(self, group: int, hashes: Sequence[bytes]) -> Sequence[KeyStatus]:
-        """Return `statuses` of the keys `(group, h)` for each `h` of `hashes`, in order."""
+    def hash_statuses(
+        self, group: int, hashes: Sequence[bytes], *, width: int = 0
+    ) -> Sequence[KeyStatus]:
+        """Return `statuses` of the keys `(group, h)` for each `h` of `hashes`, in order;
+        `width` is the one length of the hashes when the caller knows it (0 when not)."""
         ...

@@ -56,7 +56,8 @@ class _GroupStatuses:
     def _ask_by_hash(self, lo: int, hi: int) -> Sequence[KeyStatus]:
         chain = cast(KeyChain, self._keys)
         view = cast(HashStatusView, self._view)
-        return view.hash_statuses(chain.group, chain.hash_slice(lo, hi))
+        width = max(chain.hash_width, 0)  # the chain's hashes all have it (-1: they differ)
+        return view.hash_statuses(chain.group, chain.hash_slice(lo, hi), width=width)
 
     def fetch(self, lo: int, hi: int) -> None:
         """Make the statuses of chunks `[lo, hi)` available, asking the view once per gap."""

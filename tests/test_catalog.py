@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.catalog import (
@@ -563,3 +565,40 @@ def store_all(cat: Catalog, keys: list[OffloadKey]) -> None:
     reservation = cat.reserve(keys)
     assert reservation is not None
     cat.complete_store(list(reservation.keys), success=True)
+
+
+def expected_status(cat: Catalog, key: OffloadKey) -> KeyStatus:
+    entry = cat.entry(key)
+    if entry is None:
+        return KeyStatus.MISS
+    return KeyStatus.HIT if entry.state is KeyState.READY else KeyStatus.PENDING
+
+
+@given(
+    stores=st.lists(st.lists(st.integers(0, 400), min_size=1, max_size=90), max_size=8),
+    asked=st.lists(st.integers(0, 400), min_size=64, max_size=160),
+    width=st.sampled_from([8, 16, 5]),
+    run_start=st.integers(0, 400),
+)
+def test_a_long_lookup_answers_each_key_as_its_entry_does(
+    stores: list[list[int]], asked: list[int], width: int, run_start: int
+) -> None:
+    """Long lookups try runs of consecutive rows first; each answer must still be the key's."""
+
+    def key(i: int) -> OffloadKey:
+        return OffloadKey(0, i.to_bytes(width, "big"))
+
+    cat = catalog(128)
+    for batch in stores:  # stores that evict, so rows are reused out of order
+        reservation = cat.reserve([key(i) for i in dict.fromkeys(batch)])
+        if reservation is not None:
+            cat.complete_store(list(reservation.keys[::2]), success=True)
+            cat.complete_store(list(reservation.keys[1::2]), success=len(batch) % 3 > 0)
+    for numbers in (asked, list(range(run_start, run_start + len(asked)))):
+        keys = [key(i) for i in numbers]
+        answers = cat.hash_statuses(0, [k.block_hash for k in keys])
+        assert answers == [expected_status(cat, k) for k in keys]
+        ready = [k for k, status in zip(keys, answers, strict=True) if status is KeyStatus.HIT]
+        if ready:
+            assert cat.pin(ready).tolist() == [cat_row(cat, k) for k in ready]
+            cat.unpin(ready)
