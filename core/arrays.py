@@ -5,6 +5,7 @@ Pure helpers; they never keep a reference to a caller's writable array.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -48,3 +49,17 @@ def frozen_flags(value: Any) -> FlagArray:
 def arrays_equal(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
     """Return True when both arrays have the same shape and elements (attrs `eq` helper)."""
     return bool(np.array_equal(a, b))
+
+
+FEW = 16
+"""Up to this many entries, a column is read or written entry by entry: numpy's fancy indexing
+costs more than it saves on a store's few chunks."""
+
+
+def assign(column: npt.NDArray[Any], rows: Sequence[int] | IdArray, value: object) -> None:
+    """Set `column[rows] = value` (entry by entry for up to `FEW` rows)."""
+    if len(rows) <= FEW:
+        for row in rows:
+            column[row] = value
+    else:
+        column[rows] = value

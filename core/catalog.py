@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvferry.core.arrays import IdArray, arrays_equal, frozen_ids
+from kvferry.core.arrays import FEW, IdArray, arrays_equal, assign, frozen_ids
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.eviction import EvictionPolicyKind, make_policy
 from kvferry.core.keys import KeyColumn, KeyStatus, OffloadKey, hash_width
@@ -325,7 +325,7 @@ class _GroupRows:
     def hold(self, hashes: list[bytes], rows: list[int]) -> None:
         """Record that `hashes` (absent) now sit in `rows` (free)."""
         self.row_of.update(zip(hashes, rows, strict=True))
-        self.held[rows] = True
+        assign(self.held, rows, True)
         if self.width >= 0:
             width = hash_width(hashes)
             if not self.width and width > 0 and width % 8 == 0:
@@ -333,6 +333,9 @@ class _GroupRows:
                 self.key_words = np.zeros((len(self.held), width // 8), dtype=np.uint64)
             if width != self.width:
                 self.width = -1
+            elif len(rows) <= FEW:
+                for row, block_hash in zip(rows, hashes, strict=True):
+                    self.key_words[row] = np.frombuffer(block_hash, dtype=np.uint64)
             else:
                 self.key_words[rows] = _words(hashes, width)
 
@@ -346,8 +349,10 @@ class _GroupRows:
     def free(self) -> int:
         return self.capacity - self.used
 
-    def rows(self, hashes: Sequence[bytes]) -> IdArray:
-        """Return the rows of `hashes`, all present."""
+    def rows(self, hashes: Sequence[bytes]) -> Rows:
+        """Return the rows of `hashes`, all present (a list for a few: `FEW`)."""
+        if len(hashes) <= FEW:
+            return list(map(self.row_of.__getitem__, hashes))
         return np.fromiter(map(self.row_of.__getitem__, hashes), dtype=np.int64, count=len(hashes))
 
     def find(self, hashes: Sequence[bytes], width: int = 0) -> IdArray:
@@ -451,8 +456,7 @@ def _words(hashes: Sequence[bytes], width: int) -> npt.NDArray[np.uint64]:
 
 
 _MISS_CODE, _HIT_CODE, _PENDING_CODE = 0, 1, 2
-_FEW = 16
-"""Up to this many keys, statuses are read key by key: arrays cost more than they save."""
+
 _STATUS_OF_CODE = {_MISS_CODE: _MISS, _HIT_CODE: _HIT, _PENDING_CODE: _PENDING}
 
 
@@ -537,6 +541,9 @@ def _keys_of(group: int, hashes: Iterable[bytes]) -> tuple[OffloadKey, ...]:
 def _make_key(pair: tuple[int, bytes]) -> OffloadKey:
     return OffloadKey._make(pair)
 
+
+Rows = IdArray | list[int]
+"""Row ids: an array, or a list for a few (`FEW`)."""
 
 _GROUP = operator.itemgetter(0)
 _HASH = operator.itemgetter(1)
@@ -642,7 +649,7 @@ class Catalog:
         rows = self._groups.get(group)
         if rows is None:
             return [_MISS] * len(hashes)
-        if len(hashes) <= _FEW and seen is None:  # a store's few keys: no array worth making
+        if len(hashes) <= FEW and seen is None:  # a store's few keys: no array worth making
             return [rows.status(h, pinned_as_pending=pinned_as_pending) for h in hashes]
         found = rows.find(hashes, width)
         if seen is not None:
@@ -714,17 +721,24 @@ class Catalog:
         """Return the distinct hashes of `keys` per group, in the order asked, and whether
         each group's keys came as one run (then the groups in turn are the order asked)."""
         asked: dict[int, dict[bytes, None]] = {}
-        runs = _runs(keys)
-        for group, hashes in runs:
+        if len(keys) <= FEW and not isinstance(keys, KeyColumn):  # a store's few: one pass
+            runs, last = 0, None
+            for group, block_hash in keys:
+                asked.setdefault(group, {})[block_hash] = None
+                runs += group != last
+                last = group
+            return asked, runs == len(asked)
+        group_runs = _runs(keys)
+        for group, hashes in group_runs:
             asked.setdefault(group, {}).update(dict.fromkeys(hashes))
-        return asked, len(runs) == len(asked)
+        return asked, len(group_runs) == len(asked)
 
     def _present_ready(
         self, asked: dict[int, dict[bytes, None]], new: dict[int, list[bytes]]
-    ) -> dict[int, tuple[list[bytes], IdArray]]:
+    ) -> dict[int, tuple[list[bytes], Rows]]:
         """Return per group the hashes of `asked` that are ready (present, not writing), and
         their rows."""
-        ready: dict[int, tuple[list[bytes], IdArray]] = {}
+        ready: dict[int, tuple[list[bytes], Rows]] = {}
         for group, hashes in asked.items():
             rows = self._groups.get(group)
             if rows is None or len(new.get(group, ())) == len(hashes):
@@ -778,9 +792,7 @@ class Catalog:
             self._groups[group] = rows
         return rows
 
-    def _touch(
-        self, used: Mapping[int, tuple[Sequence[bytes], IdArray]], request: str | None
-    ) -> None:
+    def _touch(self, used: Mapping[int, tuple[Sequence[bytes], Rows]], request: str | None) -> None:
         """Tell each group's policy of its keys used now, given with their rows (and every
         policy of `request`'s activity)."""
         for g, rows in self._groups.items():
@@ -908,7 +920,7 @@ class Catalog:
             if success:
                 ends = list(map(rows.writing.pop, hashes))
                 stored = rows.rows(hashes)
-                rows.ready[stored] = True
+                assign(rows.ready, stored, True)
                 # one admission per storing request, in order (a reservation has one)
                 start = 0
                 for request, run in itertools.groupby(ends, key=_storing_request):
@@ -927,7 +939,10 @@ class Catalog:
                 self._generation += 1
         if success:
             self._stores += done
-            self._record(EventKind.STORED, [k for g, hs in asked.items() for k in _keys_of(g, hs)])
+            if self._config.record_events:
+                self._record(
+                    EventKind.STORED, [k for g, hs in asked.items() for k in _keys_of(g, hs)]
+                )
         else:
             self._failed += done
 
@@ -1105,7 +1120,7 @@ def _storing_request(entry: tuple[int, str | None]) -> str | None:
 
 
 _NO_ROWS: IdArray = np.zeros(0, dtype=np.int64)
-_NONE_USED: tuple[Sequence[bytes], IdArray] = ((), _NO_ROWS)
+_NONE_USED: tuple[Sequence[bytes], Rows] = ((), _NO_ROWS)
 
 
 class _NoRoomError(Exception):

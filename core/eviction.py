@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvferry.core.arrays import FEW
 from kvferry.core.errors import InvalidInputError, member_named
 
 PolicyKey = Hashable
@@ -171,6 +172,15 @@ class LruPolicy:
         request: str | None,
     ) -> None:
         """Make `keys` (in `rows`, none held) the most recently used, the last one most."""
+        if len(rows) <= FEW:  # a store's few chunks: entry by entry
+            recency, held_keys = self._recency, self._keys
+            for key, row in zip(keys, rows, strict=True):
+                self._held += not recency[row]
+                self._clock += 1
+                recency[row] = self._clock
+                held_keys[row] = key
+            self._queue_whole = self._queue_whole and not len(rows)
+            return
         at = np.asarray(rows, dtype=np.int64)
         self._held += int(np.count_nonzero(self._recency[at] == 0))
         self._stamp(at)
