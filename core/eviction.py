@@ -10,6 +10,7 @@ key object and hashes nothing twice (a bytes object keeps its hash).
 
 from __future__ import annotations
 
+import abc
 import bisect
 import enum
 from collections import OrderedDict
@@ -24,6 +25,8 @@ from kvferry.core.errors import InvalidInputError, member_named
 
 PolicyKey = Hashable
 """What a policy orders: within the catalog, one group's chunk hashes."""
+RowIds = Sequence[int] | npt.NDArray[np.int64]
+"""The catalog's rows of a call's keys, one per key."""
 
 
 class EvictionPolicyKind(enum.Enum):
@@ -68,7 +71,7 @@ class EvictionPolicy(Protocol):
         self,
         keys: Sequence[PolicyKey],
         *,
-        rows: Sequence[int] | npt.NDArray[np.int64],
+        rows: RowIds,
         positions: Sequence[int],
         request: str | None,
     ) -> None:
@@ -81,7 +84,7 @@ class EvictionPolicy(Protocol):
         self,
         keys: Iterable[PolicyKey],
         *,
-        rows: Sequence[int] | npt.NDArray[np.int64] = (),
+        rows: RowIds = (),
         request: str | None,
     ) -> None:
         """Record that `request` used `keys` (in `rows`, one per key) now (and, when given,
@@ -106,15 +109,24 @@ class EvictionPolicy(Protocol):
         ...
 
 
-def _admit_each(
-    policy: EvictionPolicy,
-    keys: Sequence[PolicyKey],
-    rows: Sequence[int] | npt.NDArray[np.int64],
-    positions: Sequence[int],
-    request: str | None,
-) -> None:
-    for key, row, position in zip(keys, np.asarray(rows).tolist(), positions, strict=True):
-        policy.admit(key, row=row, position=position, request=request)
+class _AdmitsEach(abc.ABC):
+    """Admits a call's keys one `admit` at a time (policies with no faster way)."""
+
+    @abc.abstractmethod
+    def admit(self, key: PolicyKey, *, row: int = -1, position: int, request: str | None) -> None:
+        """Record that `key` became ready (see `EvictionPolicy.admit`)."""
+
+    def admit_all(
+        self,
+        keys: Sequence[PolicyKey],
+        *,
+        rows: RowIds,
+        positions: Sequence[int],
+        request: str | None,
+    ) -> None:
+        """`admit` each of `keys`, in order."""
+        for key, row, position in zip(keys, np.asarray(rows).tolist(), positions, strict=True):
+            self.admit(key, row=row, position=position, request=request)
 
 
 def _first_unprotected(
@@ -167,7 +179,7 @@ class LruPolicy:
         self,
         keys: Sequence[PolicyKey],
         *,
-        rows: Sequence[int] | npt.NDArray[np.int64],
+        rows: RowIds,
         positions: Sequence[int],
         request: str | None,
     ) -> None:
@@ -190,7 +202,7 @@ class LruPolicy:
         self,
         keys: Iterable[PolicyKey],
         *,
-        rows: Sequence[int] | npt.NDArray[np.int64] = (),
+        rows: RowIds = (),
         request: str | None,
     ) -> None:
         """Make each held key of `keys` (in `rows`) the most recently used, in order."""
@@ -245,7 +257,7 @@ class LruPolicy:
         return self._held
 
 
-class ArcPolicy:
+class ArcPolicy(_AdmitsEach):
     """Adaptive replacement cache over rows.
 
     T1 holds keys used once since admission, T2 keys used again (a load, or a repeated store);
@@ -299,22 +311,11 @@ class ArcPolicy:
             self._t1[key] = None
         self._trim_ghosts()
 
-    def admit_all(
-        self,
-        keys: Sequence[PolicyKey],
-        *,
-        rows: Sequence[int] | npt.NDArray[np.int64],
-        positions: Sequence[int],
-        request: str | None,
-    ) -> None:
-        """`admit` each of `keys`, in order."""
-        _admit_each(self, keys, rows, positions, request)
-
     def touch(
         self,
         keys: Iterable[PolicyKey],
         *,
-        rows: Sequence[int] | npt.NDArray[np.int64] = (),
+        rows: RowIds = (),
         request: str | None,
     ) -> None:
         """Move each held key of `keys` to the most recent end of T2."""
@@ -366,7 +367,7 @@ class ArcPolicy:
         return len(self._t1) + len(self._t2)
 
 
-class TailFirstPolicy:
+class TailFirstPolicy(_AdmitsEach):
     """The least recently active request's keys first, latest token position first.
 
     Every key belongs to the request that last stored or used it (`request`; keys given none
@@ -407,22 +408,11 @@ class TailFirstPolicy:
         self._insert(key, request, position, self._admitted)
         self._owners.move_to_end(request)
 
-    def admit_all(
-        self,
-        keys: Sequence[PolicyKey],
-        *,
-        rows: Sequence[int] | npt.NDArray[np.int64],
-        positions: Sequence[int],
-        request: str | None,
-    ) -> None:
-        """`admit` each of `keys`, in order."""
-        _admit_each(self, keys, rows, positions, request)
-
     def touch(
         self,
         keys: Iterable[PolicyKey],
         *,
-        rows: Sequence[int] | npt.NDArray[np.int64] = (),
+        rows: RowIds = (),
         request: str | None,
     ) -> None:
         """Give each held key of `keys` to `request` (when given) and make the owners of the
