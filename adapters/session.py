@@ -16,17 +16,11 @@ import numpy as np
 from kvferry.core.arrays import IdArray
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
-from kvferry.core.catalog import (
-    Catalog,
-    CatalogCounters,
-    CatalogEvent,
-    FoundRows,
-    Lock,
-    locked_method,
-)
+from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent, Lock, locked_method
 from kvferry.core.checks import at_least
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
+from kvferry.core.group_rows import FoundRows
 from kvferry.core.keys import KeyStatusView, OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup

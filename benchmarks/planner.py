@@ -74,7 +74,8 @@ from kvferry.core import (
     plan_store,
 )
 from kvferry.core.bound import BoundPlan, JobResult
-from kvferry.core.catalog import Catalog, CatalogConfig, FoundRows
+from kvferry.core.catalog import Catalog, CatalogConfig
+from kvferry.core.group_rows import FoundRows
 from kvferry.core.keys import OffloadKey
 
 NAME = "planner"

@@ -16,7 +16,6 @@ from kvferry.core.catalog import (
     CatalogEvent,
     CatalogView,
     EventKind,
-    FoundRows,
     KeyState,
     Reservation,
     rows_for_budget,
@@ -33,6 +32,7 @@ from kvferry.core.errors import (
 )
 from kvferry.core.eviction import EvictionPolicy, EvictionPolicyKind, make_policy
 from kvferry.core.expand import CopyList, PageCopies, copy_list, expand_pages
+from kvferry.core.group_rows import FoundRows
 from kvferry.core.keys import HashStatusView, KeyChain, KeyStatus, KeyStatusView, OffloadKey
 from kvferry.core.kinds import KIND_RULES, KindRule
 from kvferry.core.layout import GroupLayout, KVLayout, PageRef, TensorLayout, describe_tensor

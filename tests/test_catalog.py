@@ -14,13 +14,13 @@ from kvferry.core.catalog import (
     CatalogEntry,
     CatalogEvent,
     EventKind,
-    FoundRows,
     KeyState,
     rows_for_budget,
 )
 from kvferry.core.config import GroupKind, GroupSpec, OffloadConfig
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.eviction import EvictionPolicyKind
+from kvferry.core.group_rows import FoundRows
 from kvferry.core.keys import KeyStatus, OffloadKey
 from kvferry.core.state import new_request_state
 from kvferry.core.store import StoreOutcome, StoreTierView, plan_store
