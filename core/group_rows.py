@@ -249,12 +249,13 @@ class FoundRows:
     them again (a long prompt's pin then reads no dictionary): given to
     `Catalog.hash_statuses` as `seen`, then to `Catalog.pin`.
 
-    They are used only while the catalog has freed no row since they were found (its
-    generation is the same), so each still holds the key it held then; a pin checks that every
-    row is ready, as always. A pin's keys of one group are matched to those of one of the
-    lookup's calls by the hash objects at their ends, when they are that call's first or last
-    ones (a prefix's load starts where its lookup did, a window's ends where it did): both are
-    slices of the request's chained hashes, in which no value repeats.
+    A pin's keys of one group are matched to those of one of the lookup's calls when they are
+    that call's first or last ones (a prefix's load starts where its lookup did, a window's
+    ends where it did), every hash equal (a comparison of the two lists, which stops at each
+    entry on finding the very same object). The rows are used only while the catalog has freed
+    no row since they were found (its generation is the same), so each still holds the key it
+    held then; a pin checks that every row is ready, as always. Otherwise the pin finds its
+    rows itself.
     """
 
     __slots__ = ("_generation", "_pieces")
@@ -278,6 +279,6 @@ class FoundRows:
         for found, rows in self._pieces.get(group, ()):
             for start in (0, len(found) - len(hashes)):  # a head (a prefix), or a tail (a window)
                 stop = start + len(hashes)
-                if start >= 0 and found[start] is hashes[0] and found[stop - 1] is hashes[-1]:
+                if start >= 0 and found[start] is hashes[0] and found[start:stop] == hashes:
                     return rows[start:stop]
         return None

@@ -602,3 +602,11 @@ def test_a_long_lookup_answers_each_key_as_its_entry_does(
         if ready:
             assert cat.pin(ready).tolist() == [cat_row(cat, k) for k in ready]
             cat.unpin(ready)
+
+
+def test_a_pin_given_another_lookups_rows_finds_its_own() -> None:
+    keys = [k(i) for i in range(4)]
+    cat = stored(8, keys)
+    seen = looked_up(cat, keys[:3])
+    other = [keys[0], keys[3], keys[2]]  # the same first and last hash, another in between
+    assert cat.pin(other, seen=seen).tolist() == [cat_row(cat, key) for key in other]
