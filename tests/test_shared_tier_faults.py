@@ -116,7 +116,7 @@ def test_a_server_evicting_for_room_serves_only_whole_verified_chunks(tmp_path: 
         admit(b, tier_b, b.arrive("b", chain(8, family=999, shared=0)))
         client = connect(tier_a.settings)
         used = int(client.info("memory")["used_memory"])
-        client.config_set("maxmemory", used + 50_000)  # room for some hundred chunks
+        client.config_set("maxmemory", used + 150_000)  # room for about 500 of the 900 chunks
         prompts = [chain(8, family=f, shared=0) for f in range(150)]
         for f, prompt in enumerate(prompts):
             compute_and_store(a, tier_a, f"a{f}", prompt)
