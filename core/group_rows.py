@@ -100,6 +100,8 @@ class GroupRows:
 
     def hold(self, hashes: list[bytes], rows: list[int]) -> None:
         """Record that `hashes` (absent) now sit in `rows` (free)."""
+        if not hashes:
+            return
         self.row_of.update(zip(hashes, rows, strict=True))
         assign(self.held, rows, True)
         if self.width >= 0:
