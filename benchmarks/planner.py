@@ -76,7 +76,8 @@ from kvferry.core import (
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import Catalog, CatalogConfig
 from kvferry.core.group_rows import FoundRows
-from kvferry.core.keys import OffloadKey
+from kvferry.core.keys import KeyColumn, OffloadKey
+from kvferry.core.state import RequestState
 
 NAME = "planner"
 BLOCK = 16
@@ -186,16 +187,20 @@ def long_request_rows(num_tokens: int, num_groups: int = 3) -> dict[str, Sample]
             plan_load(config, state, tables, num_computed_tokens=0, hit_tokens=found.tokens)
         return timer.ms
 
+    def load_and_pin(request: RequestState, request_id: str) -> KeyColumn:
+        """Look `request` up, plan its load and pin the plan's keys (with the lookup's rows,
+        as `OffloadSession` does); return the keys pinned."""
+        seen = FoundRows()
+        tier = catalog.view(seen=seen)
+        found = lookup(config, request, num_tokens=num_tokens, num_computed_tokens=0, tier=tier)
+        load, _ = plan_load(config, request, tables, num_computed_tokens=0, hit_tokens=found.tokens)
+        catalog.pin(load.keys, request=request_id, seen=seen)
+        return load.keys
+
     def pin() -> float:
         with _CpuTimer() as timer:
-            seen = FoundRows()
-            tier = catalog.view(seen=seen)
-            found = lookup(config, state, num_tokens=num_tokens, num_computed_tokens=0, tier=tier)
-            load, _ = plan_load(
-                config, state, tables, num_computed_tokens=0, hit_tokens=found.tokens
-            )
-            catalog.pin(load.keys, request="long", seen=seen)
-        catalog.unpin(load.keys)
+            pinned = load_and_pin(state, "long")
+        catalog.unpin(pinned)
         return timer.ms
 
     def cold() -> float:
@@ -203,14 +208,8 @@ def long_request_rows(num_tokens: int, num_groups: int = 3) -> dict[str, Sample]
             fresh = new_request_state(
                 config, "cold", num_prompt_tokens=num_tokens, block_hashes=hashes
             )
-            seen = FoundRows()
-            tier = catalog.view(seen=seen)
-            found = lookup(config, fresh, num_tokens=num_tokens, num_computed_tokens=0, tier=tier)
-            load, _ = plan_load(
-                config, fresh, tables, num_computed_tokens=0, hit_tokens=found.tokens
-            )
-            catalog.pin(load.keys, request="cold", seen=seen)
-        catalog.unpin(load.keys)
+            pinned = load_and_pin(fresh, "cold")
+        catalog.unpin(pinned)
         return timer.ms
 
     return {"plan": plan, "pin": pin, "cold": cold}

@@ -271,32 +271,6 @@ _new_plan = unchecked_maker(TransferPlan)
 _with_changes = unchecked_evolver(RequestState)
 
 
-def _checked_done(
-    config: OffloadConfig,
-    state: RequestState,
-    blocks: Sequence[GroupBlocks],
-    *,
-    num_computed_tokens: int,
-    num_scheduled_tokens: int,
-    num_tokens: int,
-) -> int:
-    """Check a store's inputs as `plan_store` does before it asks the tier anything; return
-    `done` (`stored_tokens_after_step`)."""
-    state.check_matches(config)
-    check_block_lists(config, state, blocks)
-    request = state.request_id
-    check_count(num_computed_tokens, request=request, field="num_computed_tokens")
-    check_count(num_scheduled_tokens, request=request, field="num_scheduled_tokens")
-    check_count(num_tokens, request=request, field="num_tokens")
-    return stored_tokens_after_step(
-        config,
-        state,
-        num_computed_tokens=num_computed_tokens,
-        num_scheduled_tokens=num_scheduled_tokens,
-        num_tokens=num_tokens,
-    )
-
-
 @attrs.frozen(kw_only=True)
 class StoreCandidates:
     """A store's checked inputs, before the tier is asked: what `check_store_inputs` returns
@@ -367,10 +341,15 @@ def check_store_inputs(
     caller planning many requests checks them all before it reserves a row); otherwise return
     the store's candidates, for `plan_checked_store` (the caller checks their keys do not
     repeat)."""
-    done = _checked_done(
+    state.check_matches(config)
+    check_block_lists(config, state, blocks)
+    request = state.request_id
+    check_count(num_computed_tokens, request=request, field="num_computed_tokens")
+    check_count(num_scheduled_tokens, request=request, field="num_scheduled_tokens")
+    check_count(num_tokens, request=request, field="num_tokens")
+    done = stored_tokens_after_step(
         config,
         state,
-        blocks,
         num_computed_tokens=num_computed_tokens,
         num_scheduled_tokens=num_scheduled_tokens,
         num_tokens=num_tokens,

@@ -9,6 +9,7 @@ from kvferry.core import GroupBlocks, GroupKind, GroupSpec, OffloadConfig, new_r
 from kvferry.core.errors import InvalidInputError
 from kvferry.core.keys import KeyColumn, OffloadKey
 from kvferry.core.load import plan_load
+from kvferry.core.state import RequestState
 
 KEYS = (OffloadKey(0, b"\x01\x01"), OffloadKey(0, b"\x02\x02"), OffloadKey(1, b"\x03\x03"))
 
@@ -52,14 +53,23 @@ def test_keys_of_one_group_are_read_from_the_group_column() -> None:
     assert KeyColumn(KEYS).of_group(2) == ()
 
 
-def test_a_load_plan_carries_its_keys_as_a_column_without_making_key_objects() -> None:
+def five_chunk_request() -> tuple[OffloadConfig, list[bytes], RequestState]:
+    """One full-attention group, 16-token blocks and chunks; a request of 5 chunks."""
     config = OffloadConfig(
         hash_block_size=16,
         blocks_per_chunk=1,
         groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
     )
     hashes = [bytes([i]) * 8 for i in range(5)]
-    state = new_request_state(config, "r1", num_prompt_tokens=80, block_hashes=hashes)
+    return (
+        config,
+        hashes,
+        new_request_state(config, "r1", num_prompt_tokens=80, block_hashes=hashes),
+    )
+
+
+def test_a_load_plan_carries_its_keys_as_a_column_without_making_key_objects() -> None:
+    config, hashes, state = five_chunk_request()
     blocks = [GroupBlocks.of(np.arange(1, 6))]
     plan, _ = plan_load(config, state, blocks, num_computed_tokens=0, hit_tokens=64)
     assert plan.keys._tuple is None  # nothing has read a key yet
@@ -68,13 +78,7 @@ def test_a_load_plan_carries_its_keys_as_a_column_without_making_key_objects() -
 
 
 def test_a_load_plan_after_a_lookup_keeps_the_keys_the_lookup_made() -> None:
-    config = OffloadConfig(
-        hash_block_size=16,
-        blocks_per_chunk=1,
-        groups=(GroupSpec(kind=GroupKind.FULL_ATTENTION, block_size=16),),
-    )
-    hashes = [bytes([i]) * 8 for i in range(5)]
-    state = new_request_state(config, "r1", num_prompt_tokens=80, block_hashes=hashes)
+    config, _, state = five_chunk_request()
     read = state.keys[0][0:4]  # what a lookup's status read makes and keeps
     blocks = [GroupBlocks.of(np.arange(1, 6))]
     plan, _ = plan_load(config, state, blocks, num_computed_tokens=0, hit_tokens=64)
