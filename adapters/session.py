@@ -17,7 +17,7 @@ from kvferry.core.arrays import IdArray
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
 from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent, Lock, locked_method
-from kvferry.core.checks import at_least
+from kvferry.core.checks import at_least, unchecked_maker
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
 from kvferry.core.group_rows import FoundRows
@@ -35,10 +35,12 @@ from kvferry.core.store import (
     plan_checked_store,
 )
 
-BlockTable = Callable[[], Iterable[GroupBlocks]]
+BlockTable = Callable[[tuple[int, ...]], Iterable[GroupBlocks]]
 """A request's block table read on demand: the session calls it only for a request whose store
 is due this step (most decode steps, few are), so an engine that resolves tables lazily pays
-for the few it needs."""
+for the few it needs. It is called with, per group, the first block a store may read (the
+group's store cursor times `blocks_per_chunk`): the table may give the blocks before it as
+null, so an engine reads only a long request's last few blocks."""
 
 
 def _blocks_tuple(
@@ -57,7 +59,8 @@ class RunningRequest:
     """The engine's request id."""
     blocks: tuple[GroupBlocks, ...] | BlockTable = attrs.field(converter=_blocks_tuple)
     """The request's whole block table, one GroupBlocks per group (resent after preemption),
-    or a `BlockTable` returning it, called at most once and only when a store is due."""
+    or a `BlockTable` returning it, called at most once and only when a store is due (the
+    blocks before the ones it is asked for are never read)."""
     num_computed_tokens: int = attrs.field(validator=at_least(0))
     """Tokens whose KV existed before this step."""
     num_scheduled_tokens: int = attrs.field(validator=at_least(0))
@@ -73,13 +76,14 @@ class RunningRequest:
         factory=list, init=False, eq=False, repr=False
     )
 
-    def block_table(self) -> tuple[GroupBlocks, ...]:
-        """Return the block table, one GroupBlocks per group (a `BlockTable` called once)."""
+    def block_table(self, starts: tuple[int, ...]) -> tuple[GroupBlocks, ...]:
+        """Return the block table, one GroupBlocks per group: a `BlockTable` is called once,
+        with `starts` (per group, the first block a store may read)."""
         blocks = self.blocks
         if not callable(blocks):
             return blocks
         if not self._table:
-            self._table.append(tuple(blocks()))
+            self._table.append(tuple(blocks(starts)))
         return self._table[0]
 
 
@@ -164,7 +168,8 @@ class _Request:
     """The rows the last lookup with a hit found, until the load that follows pins them."""
     store_at: int = -1
     """The fewest stored tokens at which a store is due for `state` (some group completes a
-    chunk past its store cursor); -1 until `store_candidates` reads it for this state."""
+    chunk past its store cursor); -1 until `store_candidates` reads it for this state; 0 once
+    the request is finished."""
 
     @property
     def state(self) -> RequestState:
@@ -174,10 +179,18 @@ class _Request:
     @state.setter
     def state(self, state: RequestState) -> None:
         self._state = state
-        self.store_at = -1
+        self.store_at = 0 if self.finished else -1
+
+    def finish(self) -> None:
+        """Mark the request finished: `start_stores` refuses it from now on, so
+        `store_candidates` always lists it."""
+        self.finished = True
+        self.store_at = 0
 
 
 _T = TypeVar("_T")
+
+_new_bound = unchecked_maker(BoundPlan)
 
 _NEVER = np.iinfo(np.int64).max
 """A token count no request reaches."""
@@ -446,13 +459,15 @@ class OffloadSession:
         *,
         num_computed_tokens: Sequence[int],
         num_scheduled_tokens: Sequence[int],
-        num_tokens: Sequence[int],
+        num_tokens: Sequence[int] | None = None,
     ) -> list[int]:
         """Return the positions, in `request_ids` (this step's running requests, with their
         token counts at the same positions), of those `start_stores` must be given: every
         request whose store is due (some group completes a chunk past its store cursor, the
         rule of `due_for_store`), and every request the session has not seen or has finished
-        (`start_stores` creates or refuses it).
+        (`start_stores` creates or refuses it). Without `num_tokens` (which caps what a step
+        stores only when it schedules tokens not yet sampled, as speculative decoding does),
+        the answer may list a few more, for which `start_stores` plans nothing.
 
         For any other request `start_stores` plans nothing and changes nothing that a later
         step does not redo, so an engine may leave it out, and build only the inputs of the
@@ -460,17 +475,16 @@ class OffloadSession:
         state changes; the thresholds are compared with the token counts in one numpy pass.
         """
         requests = list(map(self._requests.get, request_ids))
-        store_at = [
-            0
-            if request is None or request.finished
-            else request.store_at
-            if request.store_at >= 0
-            else self._store_at(request)
-            for request in requests
-        ]
-        computed = np.asarray(num_computed_tokens, dtype=np.int64)
-        scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)
-        done = np.minimum(computed + scheduled, np.asarray(num_tokens, dtype=np.int64))
+        store_at = [0 if request is None else request.store_at for request in requests]
+        if store_at and min(store_at) < 0:  # some state changed since its threshold was read
+            for index, (at, request) in enumerate(zip(store_at, requests, strict=True)):
+                if at < 0 and request is not None:
+                    store_at[index] = self._store_at(request)
+        done = np.asarray(num_computed_tokens, dtype=np.int64) + np.asarray(
+            num_scheduled_tokens, dtype=np.int64
+        )
+        if num_tokens is not None:
+            np.minimum(done, np.asarray(num_tokens, dtype=np.int64), out=done)
         picked: list[int] = np.flatnonzero(done >= store_at).tolist()
         return picked
 
@@ -562,13 +576,19 @@ class OffloadSession:
         candidates = check_store_inputs(
             self._config,
             request.state,
-            running.block_table(),
+            self._store_blocks(running, request),
             num_computed_tokens=running.num_computed_tokens,
             num_scheduled_tokens=running.num_scheduled_tokens,
             num_tokens=running.num_tokens,
         )
         _check_distinct(running.request_id, candidates.keys)
         return candidates
+
+    def _store_blocks(self, running: RunningRequest, request: _Request) -> tuple[GroupBlocks, ...]:
+        """Return `running`'s block table as a store of `request` reads it: from each group's
+        store cursor on (blocks before it are never read)."""
+        f = self._config.blocks_per_chunk
+        return running.block_table(tuple(cursor * f for cursor in request.state.store_cursor))
 
     def _known_running(self, running: RunningRequest) -> _Request:
         """Return the session's record of a running request, created or with its keys
@@ -599,7 +619,11 @@ class OffloadSession:
         """Plan and bind the store of one running request that is due, from its checked
         `candidates` (appending to `jobs`/`no_room`)."""
         decision = plan_checked_store(
-            self._config, request.state, running.block_table(), candidates, tier=self._catalog
+            self._config,
+            request.state,
+            self._store_blocks(running, request),
+            candidates,
+            tier=self._catalog,
         )
         if decision.outcome is StoreOutcome.NO_ROOM:
             no_room.append(running.request_id)
@@ -613,7 +637,11 @@ class OffloadSession:
         """Return the planner's store decision for one step of `running`, and its candidates."""
         candidates = self._check_store(running, request)
         decision = plan_checked_store(
-            self._config, request.state, running.block_table(), candidates, tier=self._catalog
+            self._config,
+            request.state,
+            self._store_blocks(running, request),
+            candidates,
+            tier=self._catalog,
         )
         return decision, candidates
 
@@ -653,7 +681,8 @@ class OffloadSession:
             job = self._new_job(rid, request, Direction.STORE, reservation.keys)
         else:
             job.keys = reservation.keys
-        return BoundPlan(
+        # A new job id, and one row (int64, read-only) per plan key: BoundPlan's checks hold.
+        return _new_bound(
             job_id=job.job_id,
             plan=plan,
             cpu_rows=reservation.rows,
@@ -740,7 +769,7 @@ class OffloadSession:
             return frozenset()
         if last is not None and not request.finished:
             self._last_store(request_id, request, last)
-        request.finished = True
+        request.finish()
         waiting = self._fence(request)
         if not request.jobs:
             del self._requests[request_id]

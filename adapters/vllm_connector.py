@@ -574,27 +574,25 @@ class _SchedulerSide:
         block_state = scheduler_output.kv_connector_block_state
         ids, computed = _scheduled_columns(scheduler_output)
         scheduled = list(map(scheduler_output.num_scheduled_tokens.__getitem__, ids))
-        requests = list(map(self._requests.__getitem__, ids))
-        num_tokens = [request.num_tokens for request in requests]
         due = self._session.store_candidates(
-            ids,
-            num_computed_tokens=computed,
-            num_scheduled_tokens=scheduled,
-            num_tokens=num_tokens,
+            ids, num_computed_tokens=computed, num_scheduled_tokens=scheduled
         )
         offloaded = self._shape.groups.offloaded
-        running = [  # only the requests a store may be due for: their tables are read
-            RunningRequest(
-                request_id=ids[index],
-                blocks=_BlockTable(block_state, ids[index], offloaded),
-                num_computed_tokens=computed[index],
-                num_scheduled_tokens=int(scheduled[index]),
-                num_tokens=num_tokens[index],
-                block_hashes=requests[index].block_hashes,
-                num_prompt_tokens=requests[index].num_prompt_tokens,
+        running = []
+        for index in due:  # only the requests a store may be due for: their tables are read
+            rid = ids[index]
+            request = self._requests[rid]
+            running.append(
+                RunningRequest(
+                    request_id=rid,
+                    blocks=_BlockTable(block_state, rid, offloaded),
+                    num_computed_tokens=computed[index],
+                    num_scheduled_tokens=int(scheduled[index]),
+                    num_tokens=request.num_tokens,
+                    block_hashes=request.block_hashes,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                )
             )
-            for index in due
-        ]
         step = self._session.start_stores(running)
         for job in step.jobs:
             self._remember_chunks(job)
@@ -780,15 +778,38 @@ _NULL_BLOCK_ID = 0
 """The id of vLLM's shared null block."""
 
 
-def _group_blocks(ids: Sequence[int]) -> GroupBlocks:
-    """Return one group's GroupBlocks of vLLM's current table."""
-    return GroupBlocks.of_engine_table(ids, null_id=_NULL_BLOCK_ID)
+def _group_blocks(ids: Sequence[int], start: int = 0) -> GroupBlocks:
+    """Return one group's GroupBlocks of vLLM's current table, given from block `start` on."""
+    return GroupBlocks.of_engine_table(ids, null_id=_NULL_BLOCK_ID, start=start)
+
+
+def _current_table(state: Any, rid: str) -> tuple[tuple[Sequence[Any], ...], bool]:
+    """Return request `rid`'s current block table from vLLM's `KVConnectorBlockState`, per
+    group, and whether its entries are vLLM's block objects (else block ids).
+
+    vLLM 0.33's scheduler resolves a table with its KV-cache manager's `get_block_ids`, which
+    builds the id list of every block of every group; the same manager's `get_blocks` gives
+    the same table as its lists of block objects, copying nothing, so a store reads the ids of
+    the few blocks it needs and its cost does not grow with the request. Any other resolver
+    is called as it is."""
+    if state is None or rid not in state.req_ids:
+        raise InvalidInputError(
+            request=rid,
+            field="scheduler_output.kv_connector_block_state",
+            expected="the block table of every scheduled request",
+            got=None,
+        )
+    resolve = state.resolve_block_ids
+    get_blocks = getattr(getattr(resolve, "__self__", None), "get_blocks", None)
+    if get_blocks is None:
+        return tuple(resolve(rid)), False
+    return tuple(get_blocks(rid).blocks), True
 
 
 class _BlockTable:
     """A scheduled request's block table, read from vLLM's `KVConnectorBlockState` only when
     called: the session calls it for the requests whose store is due this step, so the tables
-    of the others are never resolved (vLLM builds a table on access)."""
+    of the others are never resolved, and only from each group's store cursor on."""
 
     __slots__ = ("_offloaded", "_rid", "_state")
 
@@ -797,16 +818,15 @@ class _BlockTable:
         self._rid = rid
         self._offloaded = offloaded
 
-    def __call__(self) -> tuple[GroupBlocks, ...]:
-        table = None if self._state is None else self._state.get_block_ids(self._rid)
-        if table is None:
-            raise InvalidInputError(
-                request=self._rid,
-                field="scheduler_output.kv_connector_block_state",
-                expected="the block table of every scheduled request",
-                got=None,
-            )
-        return tuple(_group_blocks(table[gid]) for gid in self._offloaded)
+    def __call__(self, starts: tuple[int, ...]) -> tuple[GroupBlocks, ...]:
+        table, objects = _current_table(self._state, self._rid)
+        groups = []
+        for gid, asked in zip(self._offloaded, starts, strict=True):
+            start = min(asked, len(table[gid]))
+            window = table[gid][start:]
+            ids = list(map(_BLOCK_ID, window)) if objects else window
+            groups.append(_group_blocks(ids, start))
+        return tuple(groups)
 
 
 def load_block_ranges(

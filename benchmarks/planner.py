@@ -410,10 +410,7 @@ def engine_store_step(num_requests: int, steps: int) -> tuple[Sample, Sample]:
             connector.update_state_after_alloc(request, blocks, 0)
         new.append(side.NewRequestData.from_request(request, ids))
 
-    def resolve(rid: str) -> tuple[list[int], ...]:
-        result: tuple[list[int], ...] = side.KVCacheBlocks(blocks=tables[rid]).get_block_ids()
-        return result
-
+    resolve = _BlockTables(side, tables).get_block_ids
     request_ids = [q.request_id for q in requests]
     prefill = side.output(
         scheduled_new_reqs=new,
@@ -462,6 +459,26 @@ def engine_store_step(num_requests: int, steps: int) -> tuple[Sample, Sample]:
         return timer.ms
 
     return ours, theirs
+
+
+class _BlockTables:
+    """Fixed block tables read as vLLM 0.33's `KVCacheManager` reads a request's: `get_blocks`
+    wraps its lists of block objects, copying nothing; `get_block_ids`, the resolver vLLM's
+    scheduler puts in the `KVConnectorBlockState` it offers a connector, builds the id list of
+    every block of every group."""
+
+    def __init__(self, side: _VllmSide, tables: dict[str, tuple[list[Any], ...]]) -> None:
+        self._blocks = side.KVCacheBlocks
+        self._tables = tables
+
+    def get_blocks(self, request_id: str) -> Any:
+        """Return the request's `KVCacheBlocks`."""
+        return self._blocks(blocks=self._tables[request_id])
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Return the ids of every block of the request, per group."""
+        ids: tuple[list[int], ...] = self.get_blocks(request_id).get_block_ids()
+        return ids
 
 
 def _tiny_model_config() -> Any:

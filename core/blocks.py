@@ -97,16 +97,23 @@ class GroupBlocks:
         return cls(ids=ids, is_null=is_null, is_cached=is_cached)
 
     @classmethod
-    def of_engine_table(cls, ids: Sequence[int], *, null_id: int) -> GroupBlocks:
+    def of_engine_table(cls, ids: Sequence[int], *, null_id: int, start: int = 0) -> GroupBlocks:
         """Return the blocks of one group of an engine's block table, given as the engine's
         own list of block ids (each >= 0) with `null_id` where it put its shared null block;
-        none is cached.
+        none is cached. With `start`, `ids` are the table's blocks from block `start` on, and
+        the `start` blocks before them are null: for a caller that never reads those (a store
+        reads nothing before its cursor), so a long request's table is not read whole.
 
         For the engine adapters' hot path: the ids are read into one array and not checked
         again (an executor checks every block id of a plan against its KV tensors before it
         copies a byte).
         """
-        column = np.fromiter(ids, dtype=np.int64, count=len(ids))
+        if start:
+            column = np.zeros(start + len(ids), dtype=np.int64)
+            column[:start] = null_id
+            column[start:] = ids
+        else:
+            column = np.fromiter(ids, dtype=np.int64, count=len(ids))
         is_null = column == null_id
         column.setflags(write=False)
         is_null.setflags(write=False)

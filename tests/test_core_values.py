@@ -105,6 +105,12 @@ def test_group_blocks_of_an_engine_table_equal_the_checked_blocks() -> None:
         blocks.is_null[0] = True
 
 
+def test_group_blocks_of_an_engine_table_tail_are_null_before_it() -> None:
+    blocks = GroupBlocks.of_engine_table([7, 9, 5], null_id=9, start=2)
+    assert blocks == GroupBlocks.of([9, 9, 7, 9, 5], null=[0, 1, 3])
+    assert not blocks.ids.flags.writeable
+
+
 def test_group_blocks_readable_form_round_trips() -> None:
     entries = [None, None, "c5", 6, 7]
     assert blocks_to_list(blocks_from_list(entries)) == entries

@@ -277,6 +277,7 @@ class SessionMachine(RuleBasedStateMachine):
                 evictable.discard(victim)
             job = next(jobs)
             assert (job.plan.request_id, list(job.plan.keys)) == (rid, missing)
+            assert attrs.evolve(job) == job  # built unchecked: BoundPlan's own checks pass
             for key in missing:
                 self.writing[key] = job.job_id
             self.new_job(

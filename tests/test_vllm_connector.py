@@ -36,6 +36,7 @@ from vllm_rig import (  # noqa: E402
     tiny_model_config,
 )
 
+from kvferry.adapters import vllm_connector  # noqa: E402
 from kvferry.adapters.vllm import SPEC_KINDS  # noqa: E402
 from kvferry.core.config import GroupKind  # noqa: E402
 from kvferry.core.errors import InvalidInputError  # noqa: E402
@@ -154,6 +155,31 @@ def test_sliding_window_and_full_attention_groups_are_offloaded_together(
     computed, _ = engine.scheduled_at("b")[0]
     assert computed == 64
     assert engine.checked_positions > 0
+
+
+def test_a_due_store_reads_the_tail_of_vllms_current_table_through_its_block_objects(
+    model_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = build_engine(model_config, full_and_sliding(window=32), kvferry())
+    reads = []
+    original = vllm_connector._BlockTable.__call__
+
+    def recording(table: Any, starts: tuple[int, ...]) -> Any:
+        blocks = original(table, starts)
+        state, rid = table._state, table._rid
+        current = state.get_block_ids(rid)  # vLLM's own resolver, every id
+        reads.append((starts, blocks, current, vllm_connector._current_table(state, rid)[1]))
+        return blocks
+
+    monkeypatch.setattr(vllm_connector._BlockTable, "__call__", recording)
+    engine.add("a", PROMPT, max_tokens=20)
+    engine.run()
+    assert any(max(starts) > 0 for starts, *_ in reads)  # decode steps read only a tail
+    for starts, blocks, current, objects in reads:
+        assert objects  # vLLM's scheduler offers its KV-cache manager's block objects
+        for group, start, ids in zip(blocks, starts, current, strict=True):
+            assert group.ids[start:].tolist() == ids[start:]
+            assert group.is_null.tolist() == [True] * start + [i == 0 for i in ids[start:]]
 
 
 def test_preempted_requests_resume_with_the_right_bytes(model_config: Any) -> None:
