@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 
 from kvferry.core.arrays import FEW, IdArray, arrays_equal, assign, frozen_ids
+from kvferry.core.checks import unchecked_maker
 from kvferry.core.errors import InvalidInputError, PlanInvariantError
 from kvferry.core.eviction import EvictionPolicyKind
 from kvferry.core.group_rows import FoundRows, GroupRows, Rows, first_not_ready
@@ -219,6 +220,11 @@ class Reservation:
                 got=self.evicted_rows.shape,
             )
 
+
+_new_reservation = unchecked_maker(Reservation)
+
+
+_NO_ROW_IDS = frozen_ids(())
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -632,8 +638,12 @@ class Catalog:
             ranked = sorted(range(len(new_keys)), key=lambda i: order[new_keys[i]])
             new_keys = [new_keys[i] for i in ranked]
             new_rows = [new_rows[i] for i in ranked]
-        return Reservation(
-            keys=tuple(new_keys), rows=new_rows, evicted=tuple(evicted), evicted_rows=evicted_rows
+        # One row per key, each a free row just taken (>= 0): Reservation's checks hold.
+        return _new_reservation(
+            keys=tuple(new_keys),
+            rows=frozen_ids(new_rows),
+            evicted=tuple(evicted),
+            evicted_rows=frozen_ids(evicted_rows) if evicted_rows else _NO_ROW_IDS,
         )
 
     @locked_method

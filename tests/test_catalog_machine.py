@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -83,6 +84,7 @@ class CatalogMachine(RuleBasedStateMachine):
             assert self.catalog.drain_events() == ()
             return ()
         assert reservation is not None
+        assert attrs.evolve(reservation) == reservation  # built unchecked: its checks pass
         assert list(reservation.keys) == absent
         for g in range(GROUPS):  # each group evicts what it needs, of its own keys
             assert sum(k.group == g for k in reservation.evicted) == need[g]
