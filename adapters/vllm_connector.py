@@ -277,7 +277,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(shape, kv_cache_config)
+            events = vllm_config.kv_events_config
+            self._scheduler = _SchedulerSide(
+                shape,
+                kv_cache_config,
+                kv_events=events is not None and bool(events.enable_kv_cache_events),
+            )
         else:
             self._worker = _WorkerSide(shape, kv_cache_config)
 
@@ -473,8 +478,13 @@ class _Chunk:
 class _SchedulerSide:
     """The scheduler half: vLLM's scheduler calls mapped onto one OffloadSession."""
 
-    def __init__(self, shape: _Shape, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, shape: _Shape, kv_cache_config: KVCacheConfig, *, kv_events: bool = True
+    ) -> None:
         self._shape = shape
+        self._kv_events = kv_events
+        """Whether vLLM publishes KV events: only then are stored chunks remembered for them
+        (as vLLM's own offloading connector records them only then)."""
         self._kinds = {
             gid: type(_layer_spec(kv_cache_config.kv_cache_groups[gid].kv_cache_spec)).__name__
             for gid in shape.groups.offloaded
@@ -483,7 +493,7 @@ class _SchedulerSide:
             CatalogConfig(
                 capacity_rows=shape.num_rows,
                 policy=shape.settings.eviction_policy,
-                record_events=True,
+                record_events=kv_events,
             )
         )
         self._session = OffloadSession(shape.config, catalog, world_size=shape.world_size)
@@ -595,7 +605,8 @@ class _SchedulerSide:
             )
         step = self._session.start_stores(running)
         for job in step.jobs:
-            self._remember_chunks(job)
+            if self._kv_events:
+                self._remember_chunks(job)
             self._fence(job)
         jobs, self._loads = [*self._loads, *step.jobs], []
         meta = KvferryConnectorMetadata(

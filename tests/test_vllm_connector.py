@@ -250,7 +250,9 @@ def test_a_failed_load_ends_the_request_with_an_error_under_the_fail_policy(
 
 
 def test_kv_events_name_every_stored_block_with_its_parent(model_config: Any) -> None:
-    engine = build_engine(model_config, full_attention(), kvferry(blocks_per_chunk=2))
+    engine = build_engine(
+        model_config, full_attention(), kvferry(blocks_per_chunk=2), kv_events=True
+    )
     recorder = EventRecorder()
     engine.scheduler.kv_event_publisher = recorder
     engine.add("a", PROMPT, max_tokens=1)
@@ -260,6 +262,16 @@ def test_kv_events_name_every_stored_block_with_its_parent(model_config: Any) ->
     assert [e.block_hashes for e in stored] == [[h] for h in hashes[:4]]
     assert [e.parent_block_hash for e in stored] == [None, *hashes[:3]]
     assert stored[1].token_ids == PROMPT[16:32]
+
+
+def test_no_kv_event_is_made_while_vllm_publishes_none(model_config: Any) -> None:
+    engine = build_engine(model_config, full_attention(), kvferry(blocks_per_chunk=2))
+    recorder = EventRecorder()
+    engine.scheduler.kv_event_publisher = recorder
+    engine.add("a", PROMPT, max_tokens=1)
+    engine.run()
+    assert engine.connector.scheduler_side.session.counters().stores > 0
+    assert [e for e in recorder.events if getattr(e, "medium", None) == "CPU"] == []
 
 
 def full_and_chunked_local() -> dict[str, Any]:

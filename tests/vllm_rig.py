@@ -18,6 +18,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -610,9 +611,12 @@ def build_engine(
     async_scheduling: bool = False,
     layout: str = "LBHNC",
     mamba_cache_mode: str = "none",
+    kv_events: bool = False,
 ) -> Engine:
     """Return an engine whose KV cache has the layers `specs`, `num_gpu_blocks` blocks each,
-    planned and allocated by vLLM's own code on the CPU, with `transfer`'s connector."""
+    planned and allocated by vLLM's own code on the CPU, with `transfer`'s connector; with
+    `kv_events`, vLLM publishes KV-cache events (to its null publisher until a test replaces
+    it)."""
     scheduler_config = SchedulerConfig(
         max_num_seqs=8,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -630,6 +634,9 @@ def build_engine(
         cache_config=cache_config,
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+        ),
     )
     # vLLM turns its hybrid allocator off on a CPU platform; the engine under test is the
     # GPU one, where it is on (one group per kind, sliding-window blocks freed as they pass).
