@@ -585,6 +585,10 @@ class Catalog:
                 expected=f"one position per key ({len(keys)})",
                 got=len(positions),
             )
+        if len(keys) <= FEW and len(keys) <= self._least_free():
+            quick = self._reserve_absent(keys, positions, request)
+            if quick is not None:
+                return quick
         asked, in_order = self._asked(keys)
         if sum(map(len, asked.values())) != len(keys):  # one row would stand for two chunks
             raise InvalidInputError(
@@ -644,6 +648,34 @@ class Catalog:
             rows=frozen_ids(new_rows),
             evicted=tuple(evicted),
             evicted_rows=frozen_ids(evicted_rows) if evicted_rows else _NO_ROW_IDS,
+        )
+
+    def _reserve_absent(
+        self, keys: Sequence[OffloadKey], positions: Sequence[int] | None, request: str | None
+    ) -> Reservation | None:
+        """Return `reserve`'s answer for a few keys that every group has room for without
+        evicting (the caller checked), when each key is of a group the catalog has seen, none
+        is present and none repeats: a row per key, in the order asked, as the general path
+        gives them (a store at a decode step); otherwise None, changing nothing."""
+        groups = self._groups
+        found: list[GroupRows] = []
+        for key in keys:
+            rows = groups.get(key.group)
+            if rows is None or key.block_hash in rows.row_of:
+                return None
+            found.append(rows)
+        if len(set(keys)) != len(keys):
+            return None
+        self._touch({}, request)
+        taken: list[int] = []
+        for index, (key, rows) in enumerate(zip(keys, found, strict=True)):
+            row = rows.take(1)
+            rows.hold([key.block_hash], row)
+            rows.writing[key.block_hash] = (0 if positions is None else positions[index], request)
+            taken += row
+        self._misses += len(taken)
+        return _new_reservation(
+            keys=tuple(keys), rows=frozen_ids(taken), evicted=(), evicted_rows=_NO_ROW_IDS
         )
 
     @locked_method
