@@ -26,7 +26,8 @@ connector, decode chunks stored: `offload_prompt_only` off), driven as vLLM's sc
 it: for the long request `on_new_request`, `get_num_new_matched_tokens`,
 `update_state_after_alloc` with the allocated `KVCacheBlocks`, and `build_connector_meta`; for
 the decode step `build_connector_meta` with every request scheduled and the step's
-`KVConnectorBlockState` (block ids resolved on access, as vLLM's scheduler resolves them). Both
+`KVConnectorBlockState` (its resolver a KV-cache manager's `get_block_ids`, as vLLM's scheduler
+offers it; the tables fixed, behind the two reads vLLM's `KVCacheManager` has). Both
 sides find the same hit and store the same chunks.
 
     kvferry bench planner
