@@ -618,13 +618,7 @@ class OffloadSession:
     ) -> None:
         """Plan and bind the store of one running request that is due, from its checked
         `candidates` (appending to `jobs`/`no_room`)."""
-        decision = plan_checked_store(
-            self._config,
-            request.state,
-            self._store_blocks(running, request),
-            candidates,
-            tier=self._catalog,
-        )
+        decision = self._plan_checked(running, request, candidates)
         if decision.outcome is StoreOutcome.NO_ROOM:
             no_room.append(running.request_id)
         elif decision.plan is not None:
@@ -636,14 +630,19 @@ class OffloadSession:
     ) -> tuple[StoreDecision, StoreCandidates]:
         """Return the planner's store decision for one step of `running`, and its candidates."""
         candidates = self._check_store(running, request)
-        decision = plan_checked_store(
+        return self._plan_checked(running, request, candidates), candidates
+
+    def _plan_checked(
+        self, running: RunningRequest, request: _Request, candidates: StoreCandidates
+    ) -> StoreDecision:
+        """Return the planner's store decision for `running` from its checked `candidates`."""
+        return plan_checked_store(
             self._config,
             request.state,
             self._store_blocks(running, request),
             candidates,
             tier=self._catalog,
         )
-        return decision, candidates
 
     def _bind_store(
         self,
