@@ -87,6 +87,8 @@ class _GroupStatuses:
     def any_pending(self, lo: int, hi: int) -> bool:
         """Return True when a fetched chunk in `[lo, hi)` is pending."""
         lo, hi = max(lo, self._lo), min(hi, self._hi)
+        if lo >= hi:  # none fetched there (an offset below `_lo` would index from the end)
+            return False
         if self._all_hits(lo, hi):
             return False
         return KeyStatus.PENDING in self._values[lo - self._lo : hi - self._lo]
