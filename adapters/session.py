@@ -7,7 +7,7 @@ to rows and job ids, and holds no planning rule of its own; it never copies a by
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 import attrs
@@ -16,12 +16,20 @@ import numpy as np
 from kvferry.core.arrays import IdArray
 from kvferry.core.blocks import GroupBlocks
 from kvferry.core.bound import BoundPlan, JobResult
-from kvferry.core.catalog import Catalog, CatalogCounters, CatalogEvent, Lock, locked_method
+from kvferry.core.catalog import (
+    Catalog,
+    CatalogCounters,
+    CatalogEvent,
+    Lock,
+    Reservation,
+    StoreAsk,
+    locked_method,
+)
 from kvferry.core.checks import at_least, unchecked_maker
 from kvferry.core.config import OffloadConfig
 from kvferry.core.errors import InvalidInputError, KvferryError, PlanInvariantError
 from kvferry.core.group_rows import FoundRows
-from kvferry.core.keys import KeyStatusView, OffloadKey
+from kvferry.core.keys import KeyStatus, KeyStatusView, OffloadKey
 from kvferry.core.load import plan_load
 from kvferry.core.lookup import LookupResult, lookup
 from kvferry.core.plan import Direction
@@ -30,6 +38,7 @@ from kvferry.core.store import (
     StoreCandidates,
     StoreDecision,
     StoreOutcome,
+    StoreTierView,
     check_store_inputs,
     due_for_store,
     plan_checked_store,
@@ -186,6 +195,35 @@ class _Request:
         `store_candidates` always lists it."""
         self.finished = True
         self.store_at = 0
+
+
+class _StepAnswer:
+    """The tier's answers to one due store's planning, read with those of the whole step
+    (`OffloadSession._step_answers`): a `StoreTierView` of that store's candidates only."""
+
+    __slots__ = ("_keys", "_statuses")
+
+    def __init__(self, keys: Sequence[OffloadKey], statuses: list[KeyStatus]) -> None:
+        self._keys = keys
+        self._statuses = statuses
+
+    def statuses(self, keys: Sequence[OffloadKey]) -> list[KeyStatus]:
+        """Return the statuses read for the store's candidates (the only keys asked)."""
+        self._check_asked(keys)
+        return self._statuses
+
+    def can_reserve(self, keys: Sequence[OffloadKey]) -> bool:
+        """Return True: the step's candidates all fit without evicting."""
+        self._check_asked(keys)
+        return True
+
+    def _check_asked(self, keys: Sequence[OffloadKey]) -> None:
+        if keys is not self._keys:
+            raise PlanInvariantError(
+                field="keys",
+                expected="the candidates the step's answers were read for",
+                got=keys,
+            )
 
 
 _T = TypeVar("_T")
@@ -543,8 +581,14 @@ class OffloadSession:
             due_list = due.tolist()
             # Every due request's inputs are checked before the first row is reserved.
             checked = [self._check_store(running_list[i], known[i]) for i in due_list]
-            for index, candidates in zip(due_list, checked, strict=True):
-                self._store_one(running_list[index], known[index], candidates, jobs, no_room)
+            answers = self._step_answers(checked)
+            if answers is None:  # keys shared, or a store may evict: one after the other
+                for index, candidates in zip(due_list, checked, strict=True):
+                    self._store_one(running_list[index], known[index], candidates, jobs, no_room)
+            else:
+                self._store_together(
+                    [(running_list[i], known[i]) for i in due_list], checked, answers, jobs
+                )
         except BaseException:
             for job in jobs:
                 self._catalog.complete_store(self._jobs[job.job_id].keys, success=False)
@@ -625,6 +669,69 @@ class OffloadSession:
             jobs.append(self._bind_store(request, decision, candidates.positions))
         request.state = decision.state
 
+    def _step_answers(self, checked: Sequence[StoreCandidates]) -> list[_StepAnswer] | None:
+        """Return, per due store of this step, the tier's answers to its planning, read once
+        for the whole step; or None when they could differ from what planning the stores one
+        after the other reads (then the caller does that).
+
+        They cannot differ when no key repeats across the step's candidates and each group
+        has free rows for all of them: no reservation then evicts, or takes a key a later
+        store asks about, so every store finds the statuses read before the first, and room."""
+        if len(checked) < 2:
+            return None
+        per_group: dict[int, list[bytes]] = {}
+        for candidates in checked:
+            for group, block_hash in candidates.keys:
+                per_group.setdefault(group, []).append(block_hash)
+        catalog = self._catalog
+        found: dict[int, Iterator[KeyStatus]] = {}
+        for group, hashes in per_group.items():
+            if len(hashes) > catalog.free_rows(group) or len(set(hashes)) != len(hashes):
+                return None
+            found[group] = iter(catalog.hash_statuses(group, hashes))
+        return [
+            _StepAnswer(candidates.keys, [next(found[group]) for group, _ in candidates.keys])
+            for candidates in checked
+        ]
+
+    def _store_together(
+        self,
+        due: Sequence[tuple[RunningRequest, _Request]],
+        checked: Sequence[StoreCandidates],
+        answers: Sequence[_StepAnswer],
+        jobs: list[BoundPlan],
+    ) -> None:
+        """Plan and bind the stores of this step's `due` requests from their checked
+        candidates and the `answers` read for them all (`_step_answers`), reserving their rows
+        in one call (appending to `jobs`); none finds no room."""
+        decisions = [
+            self._plan_checked(running, request, candidates, tier=answer)
+            for (running, request), candidates, answer in zip(due, checked, answers, strict=True)
+        ]
+        storing = [
+            (request, decision, candidates)
+            for (_, request), decision, candidates in zip(due, decisions, checked, strict=True)
+            if decision.plan is not None
+        ]
+        reservations = self._catalog.reserve_each(
+            [
+                StoreAsk(decision.reserve_keys, candidates.positions, decision.state.request_id)
+                for _, decision, candidates in storing
+            ]
+        )
+        bound = 0
+        try:
+            for (request, decision, _), reservation in zip(storing, reservations, strict=True):
+                jobs.append(self._bind_reserved(request, decision, reservation))
+                bound += 1
+        except BaseException:
+            for reservation in reservations[bound + 1 :]:  # rows no job holds yet
+                if reservation is not None:
+                    self._catalog.complete_store(reservation.keys, success=False)
+            raise
+        for (_, request), decision in zip(due, decisions, strict=True):
+            request.state = decision.state
+
     def _decide_store(
         self, running: RunningRequest, request: _Request
     ) -> tuple[StoreDecision, StoreCandidates]:
@@ -633,15 +740,21 @@ class OffloadSession:
         return self._plan_checked(running, request, candidates), candidates
 
     def _plan_checked(
-        self, running: RunningRequest, request: _Request, candidates: StoreCandidates
+        self,
+        running: RunningRequest,
+        request: _Request,
+        candidates: StoreCandidates,
+        *,
+        tier: StoreTierView | None = None,
     ) -> StoreDecision:
-        """Return the planner's store decision for `running` from its checked `candidates`."""
+        """Return the planner's store decision for `running` from its checked `candidates`,
+        reading `tier` (default: the catalog)."""
         return plan_checked_store(
             self._config,
             request.state,
             self._store_blocks(running, request),
             candidates,
-            tier=self._catalog,
+            tier=self._catalog if tier is None else tier,
         )
 
     def _bind_store(
@@ -655,6 +768,18 @@ class OffloadSession:
         under a new job id or the one `job` holds for it. `positions` are the token positions
         where the chunks of the decision's `reserve_keys` end (`StoreCandidates.positions`);
         the keys were checked not to repeat."""
+        rid = decision.state.request_id
+        reservation = self._catalog.reserve(decision.reserve_keys, positions=positions, request=rid)
+        return self._bind_reserved(request, decision, reservation, job)
+
+    def _bind_reserved(
+        self,
+        request: _Request,
+        decision: StoreDecision,
+        reservation: Reservation | None,
+        job: _Job | None = None,
+    ) -> BoundPlan:
+        """Return `_bind_store`'s job once the decision's `reserve_keys` got `reservation`."""
         plan = decision.plan
         if plan is None:
             raise PlanInvariantError(
@@ -664,7 +789,6 @@ class OffloadSession:
                 got=decision.outcome,
             )
         rid = plan.request_id
-        reservation = self._catalog.reserve(decision.reserve_keys, positions=positions, request=rid)
         if reservation is not None and reservation.evicted and self._lower is not None:
             self._lower.evicting(reservation.evicted, reservation.evicted_rows)
         if reservation is None or reservation.keys != plan.keys:

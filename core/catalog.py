@@ -10,7 +10,7 @@ import enum
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -222,6 +222,39 @@ class Reservation:
 
 
 _new_reservation = unchecked_maker(Reservation)
+
+
+@attrs.frozen
+class StoreAsk:
+    """One store's reservation, as `Catalog.reserve_each` takes it: the arguments of
+    `Catalog.reserve`."""
+
+    keys: Sequence[OffloadKey]
+    """The store's keys (each once)."""
+    positions: Sequence[int] | None
+    """Per key, the token index where its chunk ends (None: not known)."""
+    request: str | None
+    """The request storing them."""
+
+
+def _repeated_keys(keys: Sequence[OffloadKey], request: str | None) -> InvalidInputError:
+    """Return the refusal of a reservation that lists a key twice (one row would stand for
+    two chunks)."""
+    return InvalidInputError(
+        request=request, field="keys", expected="each key once", got=[str(key) for key in keys]
+    )
+
+
+def _mismatched_positions(
+    keys: Sequence[OffloadKey], positions: Sequence[int], request: str | None
+) -> InvalidInputError:
+    """Return the refusal of a reservation whose positions do not match its keys."""
+    return InvalidInputError(
+        request=request,
+        field="positions",
+        expected=f"one position per key ({len(keys)})",
+        got=len(positions),
+    )
 
 
 _NO_ROW_IDS = frozen_ids(())
@@ -579,24 +612,14 @@ class Catalog:
         match the keys.
         """
         if positions is not None and len(positions) != len(keys):
-            raise InvalidInputError(
-                request=request,
-                field="positions",
-                expected=f"one position per key ({len(keys)})",
-                got=len(positions),
-            )
+            raise _mismatched_positions(keys, positions, request)
         if len(keys) <= FEW and len(keys) <= self._least_free():
             quick = self._reserve_absent(keys, positions, request)
             if quick is not None:
                 return quick
         asked, in_order = self._asked(keys)
         if sum(map(len, asked.values())) != len(keys):  # one row would stand for two chunks
-            raise InvalidInputError(
-                request=request,
-                field="keys",
-                expected="each key once",
-                got=[str(key) for key in keys],
-            )
+            raise _repeated_keys(keys, request)
         try:
             new, victims = self._victims(asked)
         except _NoRoomError:
@@ -649,6 +672,69 @@ class Catalog:
             evicted=tuple(evicted),
             evicted_rows=frozen_ids(evicted_rows) if evicted_rows else _NO_ROW_IDS,
         )
+
+    @locked_method
+    def reserve_each(self, asks: Sequence[StoreAsk]) -> list[Reservation | None]:
+        """Return `reserve`'s answer for each ask, in order: the answers, rows and catalog that
+        calling `reserve` for one ask after the other gives (one call for a step's stores).
+
+        Raise InvalidInputError, changing nothing, for an ask `reserve` would refuse (positions
+        that do not match its keys, a key given twice within it)."""
+        for ask in asks:
+            keys, positions = ask.keys, ask.positions
+            if positions is not None and len(positions) != len(keys):
+                raise _mismatched_positions(keys, positions, ask.request)
+            if len(set(keys)) != len(keys):
+                raise _repeated_keys(keys, ask.request)
+        answers = self._reserve_absent_each(asks)
+        if answers is not None:
+            return answers
+        return [self.reserve(a.keys, positions=a.positions, request=a.request) for a in asks]
+
+    def _reserve_absent_each(self, asks: Sequence[StoreAsk]) -> list[Reservation | None] | None:
+        """Return `reserve_each`'s answers when no key of any ask is present, none repeats
+        across the asks, and each group has free rows for all of its keys (so no reservation
+        evicts, and none changes what a later one finds); otherwise None, changing nothing.
+        Each group's rows are taken in the asks' order, as one `reserve` after the other takes
+        them, and each storing request is made active in that order."""
+        groups = self._groups
+        per_group: dict[int, list[bytes]] = {}
+        for ask in asks:
+            for group, block_hash in ask.keys:
+                rows = groups.get(group)
+                if rows is None or block_hash in rows.row_of:
+                    return None
+                per_group.setdefault(group, []).append(block_hash)
+        for group, hashes in per_group.items():
+            if len(hashes) > groups[group].free or len(set(hashes)) != len(hashes):
+                return None
+        for ask in asks:
+            self._touch({}, ask.request)
+        taken: dict[int, Iterator[int]] = {}
+        for group, hashes in per_group.items():
+            rows = groups[group]
+            got = rows.take(len(hashes))
+            rows.hold(hashes, got)
+            taken[group] = iter(got)
+        answers: list[Reservation | None] = []
+        for ask in asks:
+            keys, positions, request = ask.keys, ask.positions, ask.request
+            rows_of_ask = [next(taken[group]) for group, _ in keys]
+            for index, (group, block_hash) in enumerate(keys):
+                groups[group].writing[block_hash] = (
+                    0 if positions is None else positions[index],
+                    request,
+                )
+            answers.append(
+                _new_reservation(
+                    keys=tuple(keys),
+                    rows=frozen_ids(rows_of_ask),
+                    evicted=(),
+                    evicted_rows=_NO_ROW_IDS,
+                )
+            )
+        self._misses += sum(map(len, per_group.values()))
+        return answers
 
     def _reserve_absent(
         self, keys: Sequence[OffloadKey], positions: Sequence[int] | None, request: str | None
