@@ -642,7 +642,7 @@ class _SchedulerSide:
         if rid not in self._loading and self._session.request_state(rid) is not None:
             last = RunningRequest(
                 request_id=rid,
-                blocks=tuple(_group_blocks(block_ids[gid]) for gid in self._shape.groups.offloaded),
+                blocks=_group_blocks([block_ids[gid] for gid in self._shape.groups.offloaded]),
                 num_computed_tokens=min(request.num_computed_tokens, request.num_tokens - 1),
                 num_scheduled_tokens=0,
                 num_tokens=request.num_tokens,
@@ -789,9 +789,12 @@ _NULL_BLOCK_ID = 0
 """The id of vLLM's shared null block."""
 
 
-def _group_blocks(ids: Sequence[int], start: int = 0) -> GroupBlocks:
-    """Return one group's GroupBlocks of vLLM's current table, given from block `start` on."""
-    return GroupBlocks.of_engine_table(ids, null_id=_NULL_BLOCK_ID, start=start)
+def _group_blocks(
+    tables: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+) -> tuple[GroupBlocks, ...]:
+    """Return the GroupBlocks of the offloaded groups' tables of vLLM's block ids, each given
+    from block `starts[g]` on (default: whole)."""
+    return GroupBlocks.of_engine_tables(tables, null_id=_NULL_BLOCK_ID, starts=starts)
 
 
 def _current_table(state: Any, rid: str) -> tuple[tuple[Sequence[Any], ...], bool]:
@@ -831,13 +834,13 @@ class _BlockTable:
 
     def __call__(self, starts: tuple[int, ...]) -> tuple[GroupBlocks, ...]:
         table, objects = _current_table(self._state, self._rid)
-        groups = []
-        for gid, asked in zip(self._offloaded, starts, strict=True):
-            start = min(asked, len(table[gid]))
-            window = table[gid][start:]
-            ids = list(map(_BLOCK_ID, window)) if objects else window
-            groups.append(_group_blocks(ids, start))
-        return tuple(groups)
+        firsts = [
+            min(asked, len(table[gid])) for gid, asked in zip(self._offloaded, starts, strict=True)
+        ]
+        windows = [table[gid][first:] for gid, first in zip(self._offloaded, firsts, strict=True)]
+        if objects:
+            windows = [list(map(_BLOCK_ID, window)) for window in windows]
+        return _group_blocks(windows, firsts)
 
 
 def load_block_ranges(

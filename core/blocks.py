@@ -5,6 +5,8 @@ A value: the arrays are private read-only copies, checked once at construction.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,37 +99,40 @@ class GroupBlocks:
         return cls(ids=ids, is_null=is_null, is_cached=is_cached)
 
     @classmethod
-    def of_engine_table(cls, ids: Sequence[int], *, null_id: int, start: int = 0) -> GroupBlocks:
-        """Return the blocks of one group of an engine's block table, given as the engine's
-        own list of block ids (each >= 0) with `null_id` where it put its shared null block;
-        none is cached. With `start`, `ids` are the table's blocks from block `start` on, and
-        the `start` blocks before them are null: for a caller that never reads those (a store
-        reads nothing before its cursor), so a long request's table is not read whole.
+    def of_engine_tables(
+        cls,
+        tables: Sequence[Sequence[int]],
+        *,
+        null_id: int,
+        starts: Sequence[int] | None = None,
+    ) -> tuple[GroupBlocks, ...]:
+        """Return the blocks of each group of an engine's block table, one table per group,
+        each the engine's own list of block ids (each >= 0) with `null_id` where it put its
+        shared null block; none is cached. With `starts`, `tables[g]` holds group `g`'s blocks
+        from block `starts[g]` on, and the blocks before it are null: for a caller that never
+        reads those (a store reads nothing before its cursor), so a long request's table is
+        not read whole.
 
-        For the engine adapters' hot path: the ids are read into one array and not checked
-        again (an executor checks every block id of a plan against its KV tensors before it
-        copies a byte).
+        For the engine adapters' hot path: the ids of every group are read into one array
+        (each group's blocks a read-only view of it) and not checked again (an executor checks
+        every block id of a plan against its KV tensors before it copies a byte).
         """
-        if start:
-            column = np.zeros(start + len(ids), dtype=np.int64)
-            column[:start] = null_id
-            column[start:] = ids
-        else:
-            column = np.fromiter(ids, dtype=np.int64, count=len(ids))
+        firsts = [0] * len(tables) if starts is None else starts
+        ends = list(itertools.accumulate(map(operator.add, firsts, map(len, tables))))
+        column = np.full(ends[-1] if ends else 0, null_id, dtype=np.int64)
+        for table, end in zip(tables, ends, strict=True):
+            column[end - len(table) : end] = table
         is_null = column == null_id
-        column.setflags(write=False)
-        is_null.setflags(write=False)
-        return _new_blocks(ids=column, is_null=is_null, is_cached=_no_flags(len(column)))
+        is_cached = np.zeros(len(column), dtype=np.bool_)
+        for array in (column, is_null, is_cached):
+            array.setflags(write=False)
+        return tuple(
+            _new_blocks(ids=column[a:b], is_null=is_null[a:b], is_cached=is_cached[a:b])
+            for a, b in itertools.pairwise([0, *ends])
+        )
 
     def __len__(self) -> int:
         return len(self.ids)
 
 
 _new_blocks = unchecked_maker(GroupBlocks)
-
-
-def _no_flags(count: int) -> FlagArray:
-    """Return `count` False flags, read-only."""
-    flags = np.zeros(count, dtype=np.bool_)
-    flags.setflags(write=False)
-    return flags

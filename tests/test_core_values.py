@@ -98,17 +98,26 @@ def test_group_blocks_arrays_are_read_only_copies() -> None:
         blocks.ids[0] = 5
 
 
-def test_group_blocks_of_an_engine_table_equal_the_checked_blocks() -> None:
-    blocks = GroupBlocks.of_engine_table([4, 0, 7, 0], null_id=0)
-    assert blocks == GroupBlocks.of([4, 0, 7, 0], null=[1, 3])
+def test_group_blocks_of_engine_tables_equal_the_checked_blocks() -> None:
+    first, second = GroupBlocks.of_engine_tables([[4, 0, 7, 0], [0, 3]], null_id=0)
+    assert first == GroupBlocks.of([4, 0, 7, 0], null=[1, 3])
+    assert second == GroupBlocks.of([0, 3], null=[0])
     with pytest.raises(ValueError, match="read-only"):
-        blocks.is_null[0] = True
+        first.is_null[0] = True
 
 
-def test_group_blocks_of_an_engine_table_tail_are_null_before_it() -> None:
-    blocks = GroupBlocks.of_engine_table([7, 9, 5], null_id=9, start=2)
-    assert blocks == GroupBlocks.of([9, 9, 7, 9, 5], null=[0, 1, 3])
-    assert not blocks.ids.flags.writeable
+def test_group_blocks_of_engine_table_tails_are_null_before_them() -> None:
+    first, second, third = GroupBlocks.of_engine_tables(
+        [[7, 9, 5], [], [6]], null_id=9, starts=[2, 1, 0]
+    )
+    assert first == GroupBlocks.of([9, 9, 7, 9, 5], null=[0, 1, 3])
+    assert second == GroupBlocks.of([9], null=[0])
+    assert third == GroupBlocks.of([6])
+    assert not first.ids.flags.writeable
+
+
+def test_group_blocks_of_no_engine_table_are_none() -> None:
+    assert GroupBlocks.of_engine_tables([], null_id=0) == ()
 
 
 def test_group_blocks_readable_form_round_trips() -> None:
