@@ -113,18 +113,24 @@ def _key(hash_byte: int) -> OffloadKey:
     return OffloadKey(0, bytes([hash_byte]) * 8)
 
 
-@settings(max_examples=1000)
-@example(  # reserving key 3 makes "a" the most recently active: key 4 evicts "b"'s key 2
-    policy=EvictionPolicyKind.TAIL_FIRST,
-    capacity=3,
-    steps=[
+def _a_then_b_then(third: _Reserve | _ReserveEach) -> list[_Reserve | _ReserveEach | _Complete]:
+    """Return a history with one row left: "a" stores key 1, "b" key 2, then `third`, then a
+    store of key 4 that must evict (tail-first: the least recently active request's key)."""
+    return [
         _Reserve([_key(1)], "a", True),
         _Complete(True),
         _Reserve([_key(2)], "b", True),
         _Complete(True),
-        _Reserve([_key(3)], "a", True),
+        third,
         _Reserve([_key(4)], None, True),
-    ],
+    ]
+
+
+@settings(max_examples=1000)
+@example(  # reserving key 3 makes "a" the most recently active: key 4 evicts "b"'s key 2
+    policy=EvictionPolicyKind.TAIL_FIRST,
+    capacity=3,
+    steps=_a_then_b_then(_Reserve([_key(3)], "a", True)),
 )
 @given(
     policy=st.sampled_from(list(EvictionPolicyKind)),
@@ -156,14 +162,7 @@ def test_a_quick_reservation_answers_and_changes_what_the_general_path_does(
 @example(  # the step's store of key 3 makes "a" the most recently active: key 4 evicts key 2
     policy=EvictionPolicyKind.TAIL_FIRST,
     capacity=3,
-    steps=[
-        _Reserve([_key(1)], "a", True),
-        _Complete(True),
-        _Reserve([_key(2)], "b", True),
-        _Complete(True),
-        _ReserveEach([_Reserve([_key(3)], "a", True)]),
-        _Reserve([_key(4)], None, True),
-    ],
+    steps=_a_then_b_then(_ReserveEach([_Reserve([_key(3)], "a", True)])),
 )
 @given(
     policy=st.sampled_from(list(EvictionPolicyKind)),
