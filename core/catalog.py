@@ -613,10 +613,10 @@ class Catalog:
         """
         if positions is not None and len(positions) != len(keys):
             raise _mismatched_positions(keys, positions, request)
-        if len(keys) <= FEW and len(keys) <= self._least_free():
-            quick = self._reserve_absent(keys, positions, request)
+        if len(keys) <= FEW:  # a store's few keys: the short path, when they are all absent
+            quick = self._reserve_absent_each([StoreAsk(keys, positions, request)])
             if quick is not None:
-                return quick
+                return quick[0]
         asked, in_order = self._asked(keys)
         if sum(map(len, asked.values())) != len(keys):  # one row would stand for two chunks
             raise _repeated_keys(keys, request)
@@ -692,9 +692,10 @@ class Catalog:
         return [self.reserve(a.keys, positions=a.positions, request=a.request) for a in asks]
 
     def _reserve_absent_each(self, asks: Sequence[StoreAsk]) -> list[Reservation | None] | None:
-        """Return `reserve_each`'s answers when no key of any ask is present, none repeats
-        across the asks, and each group has free rows for all of its keys (so no reservation
-        evicts, and none changes what a later one finds); otherwise None, changing nothing.
+        """Return `reserve_each`'s answers when each key is of a group the catalog has seen,
+        no key of any ask is present, none repeats, and each group has free rows for all of
+        its keys (so no reservation evicts, and none changes what a later one finds);
+        otherwise None, changing nothing. The short path of `reserve` too (one ask).
         Each group's rows are taken in the asks' order, as one `reserve` after the other takes
         them, and each storing request is made active in that order."""
         groups = self._groups
@@ -735,34 +736,6 @@ class Catalog:
             )
         self._misses += sum(map(len, per_group.values()))
         return answers
-
-    def _reserve_absent(
-        self, keys: Sequence[OffloadKey], positions: Sequence[int] | None, request: str | None
-    ) -> Reservation | None:
-        """Return `reserve`'s answer for a few keys that every group has room for without
-        evicting (the caller checked), when each key is of a group the catalog has seen, none
-        is present and none repeats: a row per key, in the order asked, as the general path
-        gives them (a store at a decode step); otherwise None, changing nothing."""
-        groups = self._groups
-        found: list[GroupRows] = []
-        for key in keys:
-            rows = groups.get(key.group)
-            if rows is None or key.block_hash in rows.row_of:
-                return None
-            found.append(rows)
-        if len(set(keys)) != len(keys):
-            return None
-        self._touch({}, request)
-        taken: list[int] = []
-        for index, (key, rows) in enumerate(zip(keys, found, strict=True)):
-            row = rows.take(1)
-            rows.hold([key.block_hash], row)
-            rows.writing[key.block_hash] = (0 if positions is None else positions[index], request)
-            taken += row
-        self._misses += len(taken)
-        return _new_reservation(
-            keys=tuple(keys), rows=frozen_ids(taken), evicted=(), evicted_rows=_NO_ROW_IDS
-        )
 
     @locked_method
     def complete_store(self, keys: Sequence[OffloadKey], *, success: bool) -> None:

@@ -19,9 +19,7 @@ from kvferry.core.keys import OffloadKey
 class _GeneralPathOnly(Catalog):
     """The catalog with its short path for absent keys turned off."""
 
-    def _reserve_absent(
-        self, keys: Sequence[OffloadKey], positions: Sequence[int] | None, request: str | None
-    ) -> Reservation | None:
+    def _reserve_absent_each(self, asks: Sequence[StoreAsk]) -> None:
         return None
 
 
